@@ -1,0 +1,24 @@
+# Two entry points for a fresh machine (see README):
+#   make run   - set up (idempotent) and run the main job on the embedded CPU default
+#   make test  - set up (idempotent) and run the default test suite
+SHELL := /bin/bash
+RUN_DIR ?= runs/tiny_cpu
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-all test-slurm
+
+setup:
+	@bash scripts/setup.sh >/dev/null
+
+run:
+	@venv=$$(bash scripts/setup.sh | tail -n1) && \
+	  "$$venv/bin/python" -m sao_megatron.cli train --config configs/experiments/tiny_cpu.yaml --run-dir $(RUN_DIR) --resume auto
+
+test:
+	@venv=$$(bash scripts/setup.sh | tail -n1) && \
+	  "$$venv/bin/python" -m pytest -m "not slow and not slurm and not gpu" $(PYTEST_ARGS)
+
+# Everything CI can run here: slow tests and the local Slurm cluster too.
+test-all:
+	@venv=$$(bash scripts/setup.sh | tail -n1) && \
+	  "$$venv/bin/python" -m pytest -m "not gpu" $(PYTEST_ARGS)

@@ -1,0 +1,50 @@
+"""`sao-megatron <verb> ...` entry point.
+
+Each verb lives in its own module exposing ``add_parser(subparsers)`` which
+registers the sub-command and sets ``func`` (called with the parsed args,
+returning an exit code). Modules are imported only when their verb is used
+(torch + megatron imports cost ~10 s), except to build ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# verb -> module with add_parser(subparsers). One line per verb.
+_VERBS: dict[str, str] = {
+    "config": "sao_megatron.config.cli",
+}
+
+
+def build_parser(verbs: list[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sao-megatron",
+        description="Single-rollout Asynchronous Optimization for MoE LLMs on Megatron-core + SGLang.")
+    parser.add_argument("--log-level", default="INFO", help="Python logging level (default INFO)")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for verb in verbs or list(_VERBS):
+        importlib.import_module(_VERBS[verb]).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Import only the module of the requested verb (fast start, isolated failures).
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser([verb] if verb in _VERBS else None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from sao_megatron.config import ConfigError
+
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"sao-megatron {args.verb}: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

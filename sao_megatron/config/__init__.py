@@ -1,0 +1,41 @@
+"""Typed configs, strict YAML loading, overrides and validation."""
+
+from __future__ import annotations
+
+import pathlib
+
+from sao_megatron.config.loader import (
+    ConfigError, apply_overrides, deep_merge, dump_yaml, from_dict, load_yaml_tree, to_dict,
+)
+from sao_megatron.config.schema import (
+    ActorConfig, AlgorithmConfig, CheckpointConfig, CriticConfig, DataConfig, ExperimentConfig,
+    LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, RewardPhase, RolloutConfig, RunConfig,
+    SchedulerConfig,
+)
+from sao_megatron.config.validate import validate
+
+__all__ = [
+    "ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig",
+    "ExperimentConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RewardPhase",
+    "RolloutConfig", "RunConfig", "SchedulerConfig", "apply_overrides", "deep_merge", "dump_yaml",
+    "from_dict", "load_config", "load_yaml_tree", "to_dict", "validate", "write_resolved",
+]
+
+
+def load_config(path: str | pathlib.Path, overrides: list[str] | None = None, *,
+                world_size: int | None = None, check: bool = True) -> ExperimentConfig:
+    """Load an experiment YAML (with ``_base_`` includes), apply ``--set`` overrides, type-check, validate."""
+    tree = apply_overrides(load_yaml_tree(path), overrides or [])
+    source = str(path) + (f" (with --set {' '.join(overrides)})" if overrides else "")
+    cfg = from_dict(ExperimentConfig, tree, source=source)
+    if check:
+        validate(cfg, world_size=world_size, source=source)
+    return cfg
+
+
+def write_resolved(cfg: ExperimentConfig, run_dir: str | pathlib.Path) -> pathlib.Path:
+    """Write the fully resolved config into the run directory (``config.yaml``)."""
+    out = pathlib.Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    dump_yaml(cfg, out)
+    return out

@@ -1,0 +1,361 @@
+"""Typed configuration of every component.
+
+Each component owns one dataclass; the root ``ExperimentConfig`` only nests
+them and is never passed below the entry points. Model and parallel fields use
+Megatron-core's own names (``TransformerConfig`` / ``ModelParallelConfig`` /
+``OptimizerConfig``) so no rename tables are needed (``models/`` builds the
+``TransformerConfig`` in exactly one place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+cfg = dataclass(kw_only=True, slots=True)
+
+
+@cfg
+class ModelConfig:
+    """Architecture of the actor (and the critic trunk); Megatron field names."""
+
+    family: Literal["qwen3_moe", "glm4_moe"] = "qwen3_moe"
+    """Model family: selects the HF<->Megatron mapping and family defaults."""
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Hidden (model) dimension."""
+    ffn_hidden_size: int = 128
+    """FFN size of dense (non-MoE) layers."""
+    num_attention_heads: int = 4
+    """Number of query heads."""
+    num_query_groups: int = 2
+    """Number of KV heads (GQA groups)."""
+    kv_channels: int | None = None
+    """Head dimension; None means hidden_size // num_attention_heads."""
+    num_moe_experts: int | None = 4
+    """Routed experts per MoE layer; None builds a dense model."""
+    moe_ffn_hidden_size: int | None = 64
+    """FFN size of each routed expert."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Total FFN size of the shared expert(s); None means no shared expert."""
+    moe_layer_freq: int | list[int] = 1
+    """1 = every layer MoE; a list of 0/1 per layer marks dense (0) and MoE (1) layers."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scoring (Qwen3: softmax; GLM-4.5: sigmoid)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax before top-k (True = no renormalisation of the top-k probabilities)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free expert bias in the router (GLM-4.5 e_score_correction_bias)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Scale applied to routing weights (GLM routed_scaling_factor)."""
+    moe_router_dtype: Literal["fp32", "fp64"] | None = "fp32"
+    """Router computation dtype."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss coefficient (0 in RL fine-tuning)."""
+    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "alltoall"
+    """Token dispatcher (flex/DeepEP needs GPUs)."""
+    qk_layernorm: bool = True
+    """RMSNorm on queries and keys per head (Qwen3)."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection (GLM-4.5)."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Norm type."""
+    layernorm_epsilon: float = 1e-6
+    """Norm epsilon (HF rms_norm_eps)."""
+    rotary_base: int = 10000
+    """RoPE base (HF rope_theta)."""
+    rotary_percent: float = 1.0
+    """Fraction of the head dim that is rotated (HF partial_rotary_factor)."""
+    vocab_size: int = 128
+    """Vocabulary size (the tokenizer's); padded for TP in models/."""
+    max_position_embeddings: int = 512
+    """Longest sequence (prompt + trajectory) the model is run on."""
+    untie_embeddings_and_output_weights: bool = True
+    """Separate LM head (Qwen3-MoE: True)."""
+    init_method_std: float = 0.02
+    """Init std for randomly initialised models."""
+    params_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Parameter/compute dtype (bf16 on GPU, fp32 on CPU)."""
+    hf_dir: str | None = None
+    """Optional HF checkpoint directory the run starts from (converted at start)."""
+
+
+@cfg
+class ParallelConfig:
+    """Parallel layout shared by actor and critic (Megatron names)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP degree (within a node)."""
+    pipeline_model_parallel_size: int = 1
+    """PP degree."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Interleaved PP chunks per stage (None = non-interleaved)."""
+    expert_model_parallel_size: int = 1
+    """EP degree."""
+    expert_tensor_parallel_size: int | None = None
+    """TP degree inside experts (None = same as TP)."""
+    context_parallel_size: int = 1
+    """CP degree (1 only for now)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (required with MoE and TP > 1)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over DP (Megatron distributed optimizer)."""
+    distributed_timeout_minutes: int = 30
+    """Collective timeout; a hang fails with a diagnostic after this long."""
+
+
+@cfg
+class OptimizerConfig:
+    """Adam + LR schedule for one model (Megatron OptimizerConfig names)."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of the decay."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """LR decay after warm-up."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+
+
+@cfg
+class ActorConfig:
+    """Policy training."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Actor optimizer."""
+    max_tokens_per_microbatch: int = 4096
+    """Token budget per micro-batch (dynamic micro-batching / packing)."""
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    load: str | None = None
+    """Megatron checkpoint to initialise the actor from (None: model.hf_dir or random)."""
+
+
+@cfg
+class CriticConfig:
+    """Value model: actor trunk + scalar head, frozen attention, K updates per actor step."""
+
+    enabled: bool = True
+    """False for critic-free algorithms (grpo, sao_running_mean)."""
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    """Critic optimizer."""
+    num_updates_per_step: int = 2
+    """K: critic optimizer steps per actor step (paper: 2)."""
+    trainable: list[str] = field(default_factory=lambda: ["routed_experts", "shared_experts", "value_head"])
+    """Parameter groups that train; the rest (attention, embeddings, norms) stay frozen.
+    Groups: routed_experts, shared_experts, router, attention, embedding, norms, dense_mlp, value_head, all."""
+    value_clip: float | None = None
+    """Clip new values to old ± this (None disables)."""
+    pretrain_steps: int = 0
+    """Value pretraining steps on rollouts of the frozen initial policy before RL."""
+    init_from: Literal["actor"] | str = "actor"
+    """'actor' (copy actor trunk) or a path to a value checkpoint."""
+    max_tokens_per_microbatch: int = 4096
+    """Token budget per critic micro-batch."""
+
+
+@cfg
+class AlgorithmConfig:
+    """RL objective."""
+
+    name: Literal["sao", "grpo", "grpo_dis", "ppo", "sao_running_mean"] = "sao"
+    """sao: single rollout + DIS + critic; grpo: group advantages + PPO clip vs recomputed old log-probs;
+    grpo_dis: group advantages + DIS; ppo: critic + clip vs rollout log-probs; sao_running_mean: DIS + running-mean baseline."""
+    gamma: float = 1.0
+    """Discount."""
+    lam: float = 1.0
+    """GAE lambda."""
+    gae: Literal["skip_observation", "token"] = "skip_observation"
+    """Skip-observation token-level GAE (paper) or plain token-level GAE."""
+    eps_low: float = 0.3
+    """DIS lower band: tokens with ratio < 1 - eps_low are masked (math 0.3, coding 0.8)."""
+    eps_high: float = 5.0
+    """DIS upper band: tokens with ratio > 1 + eps_high are masked (math 5.0, coding 3.0)."""
+    clip_low: float = 0.2
+    """PPO/GRPO clip (lower)."""
+    clip_high: float = 0.28
+    """PPO/GRPO clip (upper)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c (> 1) for negative advantages; None disables."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    """Loss aggregation over the global batch."""
+    group_size: int = 8
+    """G: rollouts per prompt for group algorithms."""
+    running_mean_momentum: float = 0.99
+    """EMA momentum of the running-mean baseline."""
+    normalize_group_std: bool = True
+    """Divide group advantages by the group std (GRPO)."""
+
+
+@cfg
+class RolloutConfig:
+    """Inference engines and how the trainer talks to them."""
+
+    engine: Literal["embedded", "sglang"] = "embedded"
+    """embedded: CPU engine started by the trainer; sglang: existing SGLang servers at engine_urls."""
+    num_engines: int = 1
+    """Embedded engines to start."""
+    engine_urls: list[str] = field(default_factory=list)
+    """SGLang server URLs (engine=sglang)."""
+    router: Literal["builtin", "sglang_router"] = "builtin"
+    """Data routing: built-in least-loaded sticky router, or the real sglang-router."""
+    router_url: str | None = None
+    """An already running sglang-router (None: start one when router=sglang_router)."""
+    api_key: str | None = None
+    """API key sent to the engines."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    top_k: int = -1
+    """Top-k sampling (-1 disables)."""
+    max_new_tokens: int = 64
+    """Generation budget per turn."""
+    request_timeout_s: float = 600.0
+    """Timeout for one /generate request."""
+    weight_sync: Literal["disk", "nccl"] = "disk"
+    """disk: safetensors + update_weights_from_disk; nccl: update_weights_from_distributed."""
+    weight_sync_bucket_mb: int = 512
+    """Bucket size for streaming weights to the engines."""
+    return_routed_experts: bool = False
+    """Ask engines for routed expert ids (routing replay)."""
+
+
+@cfg
+class SchedulerConfig:
+    """Asynchronous single-rollout scheduling."""
+
+    mode: Literal["single", "group", "sync"] = "single"
+    """single (SAO), group (GRPO groups of algorithm.group_size), sync (on-policy baseline)."""
+    batch_size: int = 128
+    """B: finished samples per training batch."""
+    concurrency: int = 256
+    """Episodes in flight against the engines."""
+    max_staleness: int = 1
+    """eta: admit while started <= (v+eta+1)*B; drop samples whose oldest token version < v-eta."""
+    partial_rollout: Literal["retract", "abort", "discard"] = "retract"
+    """What happens to in-flight generations on a weight update."""
+
+
+@cfg
+class RewardPhase:
+    """One phase of a non-stationary reward schedule."""
+
+    start_version: int = 0
+    """Trainer version at which this phase starts."""
+    target: str = ""
+    """Task-specific target behaviour for the phase."""
+
+
+@cfg
+class DataConfig:
+    """Prompts, environment and reward."""
+
+    task: str = "arithmetic"
+    """Task/environment name (see sao_megatron.envs)."""
+    path: str | None = None
+    """JSONL dataset; None uses the task's built-in generator."""
+    num_prompts: int = 4096
+    """Prompts drawn from the generator (ignored with path)."""
+    max_prompt_tokens: int = 64
+    """Longest prompt; longer prompts are an error."""
+    max_turns: int = 1
+    """Turns per episode (multi-turn environments)."""
+    max_total_tokens: int = 256
+    """Budget for prompt + all turns."""
+    reward_timeout_s: float = 10.0
+    """Per-sample reward time limit; over it the reward is 0 with a logged reason."""
+    reward_workers: int = 2
+    """Reward worker processes."""
+    phases: list[RewardPhase] = field(default_factory=list)
+    """Non-stationary reward schedule (online learning); empty = stationary."""
+    seed: int = 0
+    """Seed for the generator and shuffling."""
+    options: dict[str, int | float | str | bool] = field(default_factory=dict)
+    """Task-specific options."""
+
+
+@cfg
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save_interval: int = 0
+    """Save every N trainer steps (0: only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept (older ones deleted after a successful save)."""
+    load: str | None = None
+    """Checkpoint directory to start from (fresh run dir)."""
+
+
+@cfg
+class LoggingConfig:
+    """Metrics sinks."""
+
+    wandb: bool = False
+    """Log to Weights & Biases."""
+    wandb_project: str = "sao-megatron"
+    """wandb project."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    """wandb mode (offline on machines without network)."""
+    tensorboard: bool = False
+    """Write TensorBoard event files."""
+    log_interval: int = 1
+    """Console log every N steps."""
+
+
+@cfg
+class RunConfig:
+    """The run as a whole."""
+
+    num_steps: int = 10
+    """Trainer steps (actor updates)."""
+    seed: int = 1234
+    """Global seed."""
+    max_nan_steps: int = 3
+    """Stop after this many consecutive non-finite losses (each one is skipped)."""
+    sft_steps: int = 0
+    """Optional supervised warm-up steps on task demonstrations before RL."""
+
+
+@cfg
+class ExperimentConfig:
+    """Root config: nests the components, nothing else."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model architecture."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Trainer parallel layout."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Actor training."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Critic training."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL objective."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Inference engines."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Asynchronous scheduling."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Tasks and rewards."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics sinks."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run-level settings."""

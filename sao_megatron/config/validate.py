@@ -1,0 +1,115 @@
+"""Cross-field checks with actionable messages.
+
+Field types are checked by the loader; here live the constraints between
+fields (divisibility, topology, algorithm/critic consistency). ``world_size``
+is optional: without it only layout-internal constraints are checked.
+"""
+
+from __future__ import annotations
+
+from sao_megatron.config.loader import ConfigError
+from sao_megatron.config.schema import ExperimentConfig, ModelConfig, ParallelConfig
+
+CRITIC_ALGORITHMS = {"sao", "ppo"}
+GROUP_ALGORITHMS = {"grpo", "grpo_dis"}
+
+
+def validate(cfg: ExperimentConfig, *, world_size: int | None = None, source: str = "config") -> None:
+    """Raise ConfigError naming the key and the fix for the first violated constraint."""
+    errors = (check_model(cfg.model) + check_parallel(cfg.model, cfg.parallel, world_size)
+              + check_training(cfg))
+    if errors:
+        raise ConfigError(f"{source}: " + "\n  ".join(errors))
+
+
+def check_model(m: ModelConfig) -> list[str]:
+    errs = []
+    if m.num_attention_heads % m.num_query_groups:
+        errs.append(f"model.num_attention_heads={m.num_attention_heads} must be a multiple of "
+                    f"model.num_query_groups={m.num_query_groups}")
+    if m.num_moe_experts is not None:
+        if m.moe_router_topk > m.num_moe_experts:
+            errs.append(f"model.moe_router_topk={m.moe_router_topk} exceeds model.num_moe_experts="
+                        f"{m.num_moe_experts}")
+        if m.moe_ffn_hidden_size is None:
+            errs.append("model.moe_ffn_hidden_size must be set when model.num_moe_experts is set")
+    if isinstance(m.moe_layer_freq, list):
+        if len(m.moe_layer_freq) != m.num_layers or set(m.moe_layer_freq) - {0, 1}:
+            errs.append(f"model.moe_layer_freq as a list needs num_layers={m.num_layers} entries of 0/1, "
+                        f"got {m.moe_layer_freq}")
+    if not 0 < m.rotary_percent <= 1:
+        errs.append(f"model.rotary_percent={m.rotary_percent} must be in (0, 1]")
+    return errs
+
+
+def check_parallel(m: ModelConfig, p: ParallelConfig, world_size: int | None) -> list[str]:
+    errs = []
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size or tp
+    if min(tp, pp, ep, etp, p.context_parallel_size) < 1:
+        errs.append("parallel sizes must all be >= 1")
+        return errs
+    if m.num_attention_heads % tp:
+        errs.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                    f"parallel.tensor_model_parallel_size={tp}: choose TP dividing the head count")
+    if m.num_query_groups % tp:
+        errs.append(f"model.num_query_groups={m.num_query_groups} is not divisible by "
+                    f"parallel.tensor_model_parallel_size={tp}: choose TP <= and dividing the KV head count")
+    if m.num_layers % pp:
+        errs.append(f"model.num_layers={m.num_layers} is not divisible by "
+                    f"parallel.pipeline_model_parallel_size={pp}")
+    vpp = p.virtual_pipeline_model_parallel_size
+    if vpp and m.num_layers % (pp * vpp):
+        errs.append(f"model.num_layers={m.num_layers} is not divisible by PP*VPP={pp * vpp}")
+    if m.num_moe_experts is None:
+        if ep > 1:
+            errs.append("parallel.expert_model_parallel_size > 1 needs an MoE model (model.num_moe_experts)")
+    else:
+        if m.num_moe_experts % ep:
+            errs.append(f"model.num_moe_experts={m.num_moe_experts} is not divisible by "
+                        f"parallel.expert_model_parallel_size={ep}: pick EP dividing the expert count")
+        if tp > 1 and not p.sequence_parallel:
+            errs.append("MoE with parallel.tensor_model_parallel_size > 1 requires "
+                        "parallel.sequence_parallel=true (set --set parallel.sequence_parallel=true)")
+    if p.context_parallel_size != 1:
+        errs.append("parallel.context_parallel_size > 1 is not supported yet; set it to 1")
+    if world_size is not None:
+        model_size = tp * pp * p.context_parallel_size
+        if world_size % model_size:
+            errs.append(f"world size {world_size} is not divisible by TP*PP*CP={model_size}")
+        elif m.num_moe_experts is not None and world_size % (etp * ep * pp):
+            errs.append(f"world size {world_size} is not divisible by expert-TP*EP*PP={etp * ep * pp}")
+    return errs
+
+
+def check_training(cfg: ExperimentConfig) -> list[str]:
+    errs = []
+    alg, sched, critic = cfg.algorithm, cfg.scheduler, cfg.critic
+    if critic.num_updates_per_step < 1:
+        errs.append(f"critic.num_updates_per_step={critic.num_updates_per_step} must be >= 1 (paper: K=2)")
+    if alg.name in CRITIC_ALGORITHMS and not critic.enabled:
+        errs.append(f"algorithm.name={alg.name} needs a value model: set critic.enabled=true")
+    if alg.name in GROUP_ALGORITHMS:
+        if sched.mode == "single":
+            errs.append(f"algorithm.name={alg.name} needs groups: set scheduler.mode=group (or sync)")
+        if alg.group_size < 2:
+            errs.append(f"algorithm.group_size={alg.group_size} must be >= 2 for {alg.name}")
+        if sched.batch_size % alg.group_size:
+            errs.append(f"scheduler.batch_size={sched.batch_size} must be a multiple of "
+                        f"algorithm.group_size={alg.group_size}")
+    if not (0 < alg.eps_low <= 1):
+        errs.append(f"algorithm.eps_low={alg.eps_low} must be in (0, 1]")
+    if alg.eps_high <= 0:
+        errs.append(f"algorithm.eps_high={alg.eps_high} must be > 0")
+    if alg.dual_clip is not None and alg.dual_clip <= 1:
+        errs.append(f"algorithm.dual_clip={alg.dual_clip} must be > 1")
+    if sched.max_staleness < 0:
+        errs.append("scheduler.max_staleness must be >= 0 (0 = on-policy)")
+    if sched.batch_size < 1 or sched.concurrency < 1:
+        errs.append("scheduler.batch_size and scheduler.concurrency must be >= 1")
+    if not 0 <= alg.gamma <= 1 or not 0 <= alg.lam <= 1:
+        errs.append("algorithm.gamma and algorithm.lam must be in [0, 1]")
+    if cfg.data.max_prompt_tokens >= cfg.model.max_position_embeddings:
+        errs.append(f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} must be below "
+                    f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    return errs

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Idempotent environment setup for CPU machines and CI.
+#
+# The virtual environment lives outside the checkout, keyed by the hash of
+# requirements.txt, so a second run (or a fresh clone in another folder, which
+# is how CI runs) costs seconds. The package itself is installed editable into
+# that venv on every run (a few seconds) so the venv always points at the
+# checkout that called this script.
+#
+# Prints the venv path on the last line of stdout.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+
+py="${SAO_PYTHON:-}"
+if [ -z "$py" ]; then
+  for cand in python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python3.12"; do
+    if command -v "$cand" >/dev/null 2>&1; then py="$cand"; break; fi
+  done
+fi
+[ -n "$py" ] || { echo "setup: Python 3.12 not found (megatron-core>=0.17 needs it); set SAO_PYTHON=/path/to/python3.12" >&2; exit 1; }
+
+# Bump ENV_REV when the build steps below change in a way that needs a new venv.
+ENV_REV=1
+hash="$( (cat requirements.txt; echo "rev=$ENV_REV") | sha256sum | cut -c1-16)"
+root="${SAO_ENV_ROOT:-$HOME/.cache/sao-megatron}"
+venv="$root/venv-$hash"
+mkdir -p "$root"
+
+if [ ! -f "$venv/.complete" ]; then
+  echo "setup: building $venv (first run takes ~5 minutes: torch + megatron-core)" >&2
+  rm -rf "$venv"
+  "$py" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip >&2
+  "$venv/bin/python" -m pip install -q -r requirements.txt >&2
+  # SGLang's own request/reply types for the contract tests: api_types.py from
+  # the pinned sglang wheel (msgspec only; the full package needs CUDA).
+  tmp="$(mktemp -d)"
+  "$venv/bin/python" -m pip download -q --no-deps sglang==0.5.23 -d "$tmp" >&2
+  "$venv/bin/python" - "$tmp" "$venv/sglang_contract" <<'PY'
+import pathlib, sys, zipfile
+src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+dst.mkdir(parents=True, exist_ok=True)
+wheel = next(src.glob("sglang-0.5.23-*.whl"))
+with zipfile.ZipFile(wheel) as zf:
+    for name in ("sglang/api/v1/api_types.py", "sglang/srt/managers/io_struct.py",
+                 "sglang/srt/entrypoints/http_server.py"):
+        if name in zf.namelist():
+            (dst / pathlib.Path(name).name).write_bytes(zf.read(name))
+(dst / "VERSION").write_text("0.5.23\n")
+PY
+  rm -rf "$tmp"
+  touch "$venv/.complete"
+fi
+
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo" >&2
+echo "$venv"
