@@ -16,6 +16,7 @@ import sys
 # verb -> module with add_parser(subparsers). One line per verb.
 _VERBS: dict[str, str] = {
     "config": "sao_megatron.config.cli",
+    "report": "sao_megatron.training.report",
 }
 
 

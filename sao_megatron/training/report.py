@@ -1,0 +1,126 @@
+"""`sao-megatron report RUN_DIR`: PNG plots from a run's metrics.jsonl.
+
+Plots: reward curve (with a moving average), staleness histogram over the
+whole run, DIS masked-token fractions, critic explained variance and, for
+non-stationary runs, reward per phase against steps since the phase began
+(adaptation speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+from collections import Counter, defaultdict
+from typing import Any
+
+from sao_megatron.training.metrics_log import read_metrics
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            xs.append(r["step"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def _moving_average(ys: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def _staleness_counts(records: list[dict[str, Any]]) -> Counter:
+    """Sum per-step histograms ``rollout/staleness_hist`` ({lag: count} or a list indexed by lag)."""
+    counts: Counter = Counter()
+    for r in records:
+        hist = r.get("rollout/staleness_hist")
+        if isinstance(hist, dict):
+            counts.update({int(k): int(v) for k, v in hist.items()})
+        elif isinstance(hist, list):
+            counts.update({lag: int(v) for lag, v in enumerate(hist)})
+    return counts
+
+
+def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None = None) -> list[pathlib.Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    out = pathlib.Path(out_dir or pathlib.Path(run_dir) / "report")
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def save(fig, name):
+        path = out / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs, ys = _series(records, "reward/mean")
+    ax.plot(xs, ys, alpha=0.35, label="reward/mean")
+    if ys:
+        ax.plot(xs, _moving_average(ys, max(1, len(ys) // 20)), label="moving average")
+    ax.set(xlabel="trainer step", ylabel="reward", title="Reward")
+    ax.legend()
+    save(fig, "reward.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    counts = _staleness_counts(records)
+    if counts:
+        lags = sorted(counts)
+        ax.bar(lags, [counts[k] for k in lags])
+    else:
+        xs, ys = _series(records, "rollout/staleness_max")
+        ax.hist(ys, bins=max(1, int(max(ys, default=0)) + 1))
+    ax.set(xlabel="version lag (trainer version - token version)", ylabel="tokens", title="Staleness")
+    save(fig, "staleness_hist.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in ("actor/masked_frac_low", "actor/masked_frac_high"):
+        ax.plot(*_series(records, key), label=key)
+    ax.set(xlabel="trainer step", ylabel="fraction of action tokens", title="DIS masked tokens")
+    ax.legend()
+    save(fig, "masked_fractions.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*_series(records, "critic/explained_variance"))
+    ax.set(xlabel="trainer step", ylabel="explained variance", title="Critic explained variance")
+    save(fig, "critic_explained_variance.png")
+
+    by_phase: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for r in records:
+        if "rollout/phase" in r and isinstance(r.get("reward/mean"), (int, float)):
+            by_phase[int(r["rollout/phase"])].append((r["step"], float(r["reward/mean"])))
+    if len(by_phase) > 1:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for phase, pts in sorted(by_phase.items()):
+            start = pts[0][0]
+            ax.plot([s - start for s, _ in pts], [v for _, v in pts], label=f"phase {phase}")
+        ax.set(xlabel="steps since phase start", ylabel="reward", title="Adaptation per phase")
+        ax.legend()
+        save(fig, "phase_adaptation.png")
+    return written
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="write PNG plots of a run (reward, staleness, masking, critic)")
+    p.add_argument("run_dir")
+    p.add_argument("--out-dir", default=None, help="default: RUN_DIR/report")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    for path in write_report(args.run_dir, args.out_dir):
+        print(path)
+    return 0
