@@ -9,6 +9,7 @@ non-stationary runs, reward per phase against steps since the phase began
 from __future__ import annotations
 
 import argparse
+import sys
 import pathlib
 from collections import Counter, defaultdict
 from typing import Any
@@ -122,5 +123,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     for path in write_report(args.run_dir, args.out_dir):
-        print(path)
+        sys.stdout.write(f"{path}\n")
     return 0
