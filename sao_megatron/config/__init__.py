@@ -5,29 +5,33 @@ from __future__ import annotations
 import pathlib
 
 from sao_megatron.config.loader import (
-    ConfigError, apply_overrides, deep_merge, dump_yaml, from_dict, load_yaml_tree, to_dict,
+    ConfigError, Sources, apply_overrides, deep_merge, dump_yaml, from_dict, load_yaml_tree,
+    load_yaml_with_origins, to_dict,
 )
 from sao_megatron.config.schema import (
     ActorConfig, AlgorithmConfig, CheckpointConfig, CriticConfig, DataConfig, ExperimentConfig,
-    LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, RewardPhase, RolloutConfig, RunConfig,
-    SchedulerConfig,
+    LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, ResourcesConfig, RewardPhase, RolloutConfig,
+    RunConfig, SchedulerConfig,
 )
 from sao_megatron.config.validate import validate
 
 __all__ = [
     "ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig",
-    "ExperimentConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RewardPhase",
-    "RolloutConfig", "RunConfig", "SchedulerConfig", "apply_overrides", "deep_merge", "dump_yaml",
-    "from_dict", "load_config", "load_yaml_tree", "to_dict", "validate", "write_resolved",
+    "ExperimentConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
+    "ResourcesConfig", "RewardPhase", "RolloutConfig", "RunConfig", "SchedulerConfig", "Sources",
+    "apply_overrides", "deep_merge", "dump_yaml", "from_dict", "load_config", "load_yaml_tree",
+    "load_yaml_with_origins", "to_dict", "validate", "write_resolved",
 ]
 
 
 def load_config(path: str | pathlib.Path, overrides: list[str] | None = None, *,
                 world_size: int | None = None, check: bool = True) -> ExperimentConfig:
     """Load an experiment YAML (with ``_base_`` includes), apply ``--set`` overrides, type-check, validate."""
-    tree = apply_overrides(load_yaml_tree(path), overrides or [])
+    tree, origins = load_yaml_with_origins(path)
+    tree = apply_overrides(tree, overrides or [], origins)
     source = str(path) + (f" (with --set {' '.join(overrides)})" if overrides else "")
-    cfg = from_dict(ExperimentConfig, tree, source=source)
+    top = str(pathlib.Path(path).resolve())
+    cfg = from_dict(ExperimentConfig, tree, source=Sources(str(path), origins, top=top))
     if check:
         validate(cfg, world_size=world_size, source=source)
     return cfg

@@ -168,6 +168,8 @@ class CriticConfig:
     """'actor' (copy actor trunk) or a path to a value checkpoint."""
     max_tokens_per_microbatch: int = 4096
     """Token budget per critic micro-batch."""
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation of the critic."""
 
 
 @cfg
@@ -334,6 +336,28 @@ class RunConfig:
 
 
 @cfg
+class ResourcesConfig:
+    """The cluster a run is laid out for: trainer GPUs and SGLang rollout servers (`sao-megatron plan`)."""
+
+    nodes: int = 1
+    """Trainer nodes; actor and critic are colocated on all their GPUs (world = nodes * gpus_per_node)."""
+    gpus_per_node: int = 8
+    """GPUs per node (trainer and rollout nodes alike)."""
+    gpu_mem_gb: float = 80.0
+    """Memory per GPU in GiB (H100: 80, H200: 141)."""
+    offload_idle_optimizer: bool = False
+    """While one of actor/critic steps, keep the other's fp32 main params, Adam moments and grads in host memory."""
+    rollout_nodes: int = 0
+    """Nodes that run SGLang servers (0: no GPU engines, e.g. the embedded CPU engine)."""
+    rollout_tp_size: int = 1
+    """GPUs per SGLang server (its --tp-size); a multiple of gpus_per_node when a server spans nodes."""
+    rollout_ep_size: int = 1
+    """Expert parallelism inside a server (SGLang --ep-size); divides rollout_tp_size."""
+    rollout_mem_fraction: float = 0.85
+    """SGLang --mem-fraction-static: share of GPU memory for weights plus KV cache."""
+
+
+@cfg
 class ExperimentConfig:
     """Root config: nests the components, nothing else."""
 
@@ -359,3 +383,5 @@ class ExperimentConfig:
     """Metrics sinks."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run-level settings."""
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    """Cluster shape (nodes, GPUs, rollout servers) the layout is planned for."""

@@ -8,7 +8,7 @@ is optional: without it only layout-internal constraints are checked.
 from __future__ import annotations
 
 from sao_megatron.config.loader import ConfigError
-from sao_megatron.config.schema import ExperimentConfig, ModelConfig, ParallelConfig
+from sao_megatron.config.schema import ExperimentConfig, ModelConfig, ParallelConfig, ResourcesConfig
 
 CRITIC_ALGORITHMS = {"sao", "ppo"}
 GROUP_ALGORITHMS = {"grpo", "grpo_dis"}
@@ -17,13 +17,23 @@ GROUP_ALGORITHMS = {"grpo", "grpo_dis"}
 def validate(cfg: ExperimentConfig, *, world_size: int | None = None, source: str = "config") -> None:
     """Raise ConfigError naming the key and the fix for the first violated constraint."""
     errors = (check_model(cfg.model) + check_parallel(cfg.model, cfg.parallel, world_size)
-              + check_training(cfg))
+              + check_training(cfg) + check_resources(cfg.resources))
     if errors:
         raise ConfigError(f"{source}: " + "\n  ".join(errors))
 
 
+_POSITIVE_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                          "num_query_groups", "moe_router_topk", "vocab_size", "max_position_embeddings")
+
+
 def check_model(m: ModelConfig) -> list[str]:
-    errs = []
+    errs = [f"model.{name}={getattr(m, name)} must be >= 1" for name in _POSITIVE_MODEL_FIELDS
+            if getattr(m, name) < 1]
+    for name in ("kv_channels", "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        if getattr(m, name) is not None and getattr(m, name) < 1:
+            errs.append(f"model.{name}={getattr(m, name)} must be >= 1 (or null)")
+    if errs:  # the divisibility checks below would divide by zero
+        return errs
     if m.num_attention_heads % m.num_query_groups:
         errs.append(f"model.num_attention_heads={m.num_attention_heads} must be a multiple of "
                     f"model.num_query_groups={m.num_query_groups}")
@@ -109,7 +119,34 @@ def check_training(cfg: ExperimentConfig) -> list[str]:
         errs.append("scheduler.batch_size and scheduler.concurrency must be >= 1")
     if not 0 <= alg.gamma <= 1 or not 0 <= alg.lam <= 1:
         errs.append("algorithm.gamma and algorithm.lam must be in [0, 1]")
+    if cfg.data.max_total_tokens > cfg.model.max_position_embeddings:
+        errs.append(f"data.max_total_tokens={cfg.data.max_total_tokens} exceeds "
+                    f"model.max_position_embeddings={cfg.model.max_position_embeddings}: lower the budget")
+    if cfg.data.max_prompt_tokens >= cfg.data.max_total_tokens:
+        errs.append(f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} leaves no room to generate "
+                    f"within data.max_total_tokens={cfg.data.max_total_tokens}")
     if cfg.data.max_prompt_tokens >= cfg.model.max_position_embeddings:
         errs.append(f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} must be below "
                     f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    return errs
+
+
+def check_resources(r: ResourcesConfig) -> list[str]:
+    """Internal consistency of the cluster shape (the layout itself is checked by `sao-megatron plan`)."""
+    errs = [f"resources.{name}={getattr(r, name)} must be >= 1"
+            for name in ("nodes", "gpus_per_node", "rollout_tp_size", "rollout_ep_size") if getattr(r, name) < 1]
+    if r.rollout_nodes < 0:
+        errs.append(f"resources.rollout_nodes={r.rollout_nodes} must be >= 0")
+    if r.gpu_mem_gb <= 0 or not 0 < r.rollout_mem_fraction <= 1:
+        errs.append("resources.gpu_mem_gb must be > 0 and resources.rollout_mem_fraction in (0, 1]")
+    if errs:
+        return errs
+    tp, gpn = r.rollout_tp_size, r.gpus_per_node
+    if tp % r.rollout_ep_size:
+        errs.append(f"resources.rollout_ep_size={r.rollout_ep_size} must divide resources.rollout_tp_size={tp}")
+    if gpn % tp and tp % gpn:
+        errs.append(f"resources.rollout_tp_size={tp} must divide gpus_per_node={gpn} or be a multiple of it")
+    elif r.rollout_nodes and (r.rollout_nodes * gpn) % tp:
+        errs.append(f"resources.rollout_nodes={r.rollout_nodes} x {gpn} GPUs do not split into servers of "
+                    f"rollout_tp_size={tp} GPUs: use a multiple of {tp // gpn} rollout nodes")
     return errs
