@@ -128,6 +128,6 @@ def test_load_config_validates_and_check_false_skips(tmp_path):
     with pytest.raises(ConfigError, match="not divisible by parallel.expert_model_parallel_size=3"):
         load_config(f)
     assert load_config(f, check=False).parallel.expert_model_parallel_size == 3
-    with pytest.raises(ConfigError, match="world size 5 is not divisible by TP\*PP\*CP=2"):
+    with pytest.raises(ConfigError, match=r"world size 5 is not divisible by TP\*PP\*CP=2"):
         load_config(tmp_path / "e.yaml", ["parallel.expert_model_parallel_size=1",
                                           "parallel.pipeline_model_parallel_size=2"], world_size=5)
