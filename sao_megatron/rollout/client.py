@@ -1,0 +1,346 @@
+"""Async client for SGLang's native HTTP API (sglang 0.5.23), the same against the embedded engine.
+
+Data (``/generate``) goes through the sglang-router when ``router_url`` is set,
+else through the built-in least-loaded sticky router. Control calls (pause,
+abort, weight updates, cache flush) go to every healthy engine directly: the
+router does not fan them out.
+
+Failure policy:
+- connection refused / connect timeout: the request was never accepted, so it
+  is retried with exponential backoff (``max_connect_retries``), then the engine
+  is marked unhealthy and, with the built-in router, the request fails over to
+  another engine; with none left → ``EngineUnavailable``;
+- the connection breaks after the request was sent: the engine is marked
+  unhealthy and ``EngineUnavailable`` is raised (no retry: it may have run);
+- no reply within ``timeout_s``: ``EngineTimeout`` after a best-effort abort;
+- non-2xx or malformed body: ``EngineReplyError`` (body truncated in the message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from sao_megatron.rollout.protocol import build_generate_payload, parse_generate_reply, truncate
+from sao_megatron.rollout.routing import LeastLoadedRouter
+from sao_megatron.rollout.types import (
+    EngineError,
+    EngineReplyError,
+    EngineTimeout,
+    EngineUnavailable,
+    GenerateResult,
+    PauseMode,
+    SamplingParams,
+)
+
+logger = logging.getLogger(__name__)
+
+# (path, request payload or None, parsed JSON reply or None) after every exchange that got a reply.
+ExchangeHook = Callable[[str, "dict[str, Any] | None", Any], None]
+
+
+class _NeverAccepted(Exception):
+    """Connection refused or connect timeout after all retries: safe to send elsewhere."""
+
+
+class RolloutClient:
+    """SGLang native-API client: token-in/token-out generation plus the RL control plane."""
+
+    def __init__(self, engine_urls: list[str], *, router_url: str | None = None, api_key: str | None = None,
+                 timeout_s: float = 600.0, max_connect_retries: int = 3, connect_timeout_s: float = 5.0,
+                 control_timeout_s: float | None = None, retry_backoff_s: float = 0.2,
+                 routed_experts_layout: tuple[int, int] | None = None,
+                 on_exchange: ExchangeHook | None = None):
+        """``routed_experts_layout``: (num_layers, topk) of the served model, to shape routed experts;
+        ``on_exchange``: called with (path, payload, reply) after every reply (tracing, contract tests)."""
+        self._router = LeastLoadedRouter([u.rstrip("/") for u in engine_urls])
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s if control_timeout_s is not None else timeout_s
+        self.max_connect_retries = max_connect_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.routed_experts_layout = routed_experts_layout
+        self.on_exchange = on_exchange
+        self.weight_version: int | None = None
+        """Last version pushed through this client (None before the first update)."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # trust_env=False: a proxy from the environment must never see loopback engine traffic.
+        self._http = httpx.AsyncClient(
+            headers=headers, trust_env=False,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                keepalive_expiry=2.0))
+        # keepalive_expiry below the servers' keep-alive timeout (uvicorn: 5 s) so a pooled
+        # connection is never reused just as the server closes it (that would look like a crash).
+
+    # ------------------------------------------------------------------ transport
+    @property
+    def engine_urls(self) -> list[str]:
+        return list(self._router.urls)
+
+    def healthy_urls(self) -> list[str]:
+        return self._router.healthy()
+
+    def _mark_unhealthy(self, url: str, why: str) -> None:
+        if url in self._router.inflight and self._router.is_healthy(url):
+            logger.warning("engine %s marked unhealthy: %s", url, why)
+            self._router.mark_unhealthy(url)
+
+    async def _send(self, method: str, url: str, path: str, payload: dict[str, Any] | None,
+                    timeout: float) -> httpx.Response:
+        """One HTTP exchange with connect-only retries; raises _NeverAccepted, EngineUnavailable, EngineTimeout."""
+        for attempt in range(self.max_connect_retries + 1):
+            try:
+                return await self._http.request(method, url + path, json=payload, timeout=timeout)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                if attempt == self.max_connect_retries:
+                    raise _NeverAccepted(f"{url}{path}: cannot connect after {attempt + 1} attempts: "
+                                         f"{exc!r}") from exc
+                await asyncio.sleep(self.retry_backoff_s * 2 ** attempt)
+            except httpx.TimeoutException as exc:
+                raise EngineTimeout(f"{url}{path}: no reply within {timeout} s", url=url) from exc
+            except httpx.TransportError as exc:
+                raise EngineUnavailable(f"{url}{path}: connection lost mid-request: {exc!r}", url=url) from exc
+        raise AssertionError("unreachable")
+
+    def _check(self, resp: httpx.Response, url: str, path: str, payload: dict[str, Any] | None,
+               expect_json: bool) -> Any:
+        if not 200 <= resp.status_code < 300:
+            body = resp.text
+            raise EngineReplyError(f"{url}{path} answered HTTP {resp.status_code}: {truncate(body)}",
+                                   url=url, status_code=resp.status_code, body=truncate(body))
+        data: Any = None
+        if resp.content:
+            try:
+                data = resp.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                if expect_json:
+                    raise EngineReplyError(f"{url}{path} answered HTTP {resp.status_code} with a body that "
+                                           f"is not JSON: {truncate(resp.text)}", url=url,
+                                           status_code=resp.status_code, body=truncate(resp.text)) from None
+        elif expect_json:
+            raise EngineReplyError(f"{url}{path} answered with an empty body", url=url,
+                                   status_code=resp.status_code)
+        if self.on_exchange is not None:
+            self.on_exchange(path, payload, data)
+        return data
+
+    async def _call(self, url: str, path: str, payload: dict[str, Any] | None = None, *,
+                    method: str = "POST", expect_json: bool = False, timeout: float | None = None) -> Any:
+        """A control/info call to one engine; an unreachable engine is marked unhealthy."""
+        try:
+            resp = await self._send(method, url, path, payload, timeout or self.control_timeout_s)
+        except _NeverAccepted as exc:
+            self._mark_unhealthy(url, str(exc))
+            raise EngineUnavailable(str(exc), url=url) from None
+        except EngineUnavailable as exc:
+            self._mark_unhealthy(url, str(exc))
+            raise
+        return self._check(resp, url, path, payload, expect_json)
+
+    async def _broadcast(self, path: str, payload: dict[str, Any] | None = None, *, method: str = "POST",
+                         expect_json: bool = False, timeout: float | None = None) -> dict[str, Any]:
+        """The same control call to every healthy engine at once; {url: reply}.
+
+        Engines that cannot be reached are marked unhealthy and skipped; any
+        other error is raised after all calls finished.
+        """
+        urls = self.healthy_urls()
+        if not urls:
+            raise EngineUnavailable(f"{path}: no healthy engine among {self.engine_urls}")
+        results = await asyncio.gather(
+            *(self._call(u, path, payload, method=method, expect_json=expect_json, timeout=timeout)
+              for u in urls), return_exceptions=True)
+        replies, errors = {}, []
+        for url, res in zip(urls, results):
+            if isinstance(res, EngineUnavailable):
+                continue
+            if isinstance(res, BaseException):
+                errors.append(res)
+            else:
+                replies[url] = res
+        if errors:
+            raise errors[0]
+        if not replies:
+            raise EngineUnavailable(f"{path}: every engine failed ({urls})")
+        return replies
+
+    # ------------------------------------------------------------------ data
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
+                       return_routed_experts: bool = False) -> GenerateResult:
+        """Generate from ``input_ids``; the reply carries per-token log-probs and versions."""
+        rid = rid or uuid.uuid4().hex
+        payload = build_generate_payload(input_ids, sampling, rid=rid, return_routed_experts=return_routed_experts)
+        if self.router_url is not None:
+            return await self._generate_at(self.router_url, payload, rid, return_routed_experts, via_router=True)
+        tried: set[str] = set()
+        while True:
+            url = self._router.pick(rid, frozenset(tried))
+            try:
+                return await self._generate_at(url, payload, rid, return_routed_experts, via_router=False)
+            except _NeverAccepted as exc:
+                # Never accepted: marking it unhealthy and failing over cannot duplicate work.
+                self._mark_unhealthy(url, str(exc))
+                tried.add(url)
+
+    async def _generate_at(self, url: str, payload: dict[str, Any], rid: str, want_routed: bool,
+                           via_router: bool) -> GenerateResult:
+        if not via_router:
+            self._router.acquire(rid, url)
+        start = time.perf_counter()
+        try:
+            resp = await self._send("POST", url, "/generate", payload, self.timeout_s)
+        except _NeverAccepted as exc:
+            if via_router:
+                raise EngineUnavailable(f"router unreachable: {exc}", url=url) from None
+            raise
+        except EngineUnavailable as exc:
+            if not via_router:
+                self._mark_unhealthy(url, str(exc))
+            raise
+        except EngineTimeout:
+            await self._abort_quietly(url, rid)
+            raise
+        finally:
+            if not via_router:
+                self._router.release(url)
+        reply = self._check(resp, url, "/generate", payload, expect_json=True)
+        return parse_generate_reply(reply, rid=rid, engine_url=url, latency_s=time.perf_counter() - start,
+                                    routed_experts_layout=self.routed_experts_layout,
+                                    want_routed_experts=want_routed)
+
+    async def _abort_quietly(self, url: str, rid: str) -> None:
+        targets = self.healthy_urls() if url == self.router_url else [url]
+        for target in targets:
+            try:
+                await self._http.post(target + "/abort_request", json={"rid": rid}, timeout=5.0)
+            except httpx.HTTPError:
+                pass
+
+    # ------------------------------------------------------------------ control
+    async def pause_generation(self, mode: PauseMode = "retract") -> None:
+        """Pause every engine: abort (partial outputs returned now), retract or in_place (kept, resumed later)."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
+        await self._broadcast("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._broadcast("/continue_generation", {})
+
+    async def abort_request(self, rid: str) -> None:
+        """Abort one request; the pending ``generate`` returns its partial output with finish_reason abort."""
+        url = self._router.engine_of(rid)
+        if url is not None and self._router.is_healthy(url):
+            await self._call(url, "/abort_request", {"rid": rid})
+        else:
+            await self._broadcast("/abort_request", {"rid": rid})
+
+    async def abort_all(self) -> None:
+        await self._broadcast("/abort_request", {"abort_all": True})
+
+    async def begin_weight_update(self) -> None:
+        await self._broadcast("/begin_weight_update", {})
+
+    async def end_weight_update(self) -> None:
+        await self._broadcast("/end_weight_update", {})
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: int) -> None:
+        """Every engine loads the HF checkpoint at ``model_path`` and reports ``weight_version``."""
+        await self._broadcast("/update_weights_from_disk",
+                              {"model_path": str(model_path), "weight_version": str(int(weight_version))},
+                              expect_json=True)
+        self.weight_version = int(weight_version)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, *,
+                                        engine_world_sizes: list[int] | None = None,
+                                        group_name: str = "weight_update_group", backend: str = "nccl") -> int:
+        """Every engine joins the trainer's broadcast group (trainer = rank 0); returns the world size.
+
+        Engine ``i`` occupies ranks ``1 + sum(engine_world_sizes[:i])`` onwards; sizes default
+        to each engine's ``tp_size`` from ``/server_info``. The trainer must join the same group
+        concurrently (``NcclWeightSync`` does both).
+        """
+        urls = self.healthy_urls()
+        if engine_world_sizes is None:
+            infos = await asyncio.gather(*(self._call(u, "/server_info", method="GET", expect_json=True)
+                                           for u in urls))
+            engine_world_sizes = [int(i.get("tp_size", 1)) for i in infos]
+        if len(engine_world_sizes) != len(urls):
+            raise ValueError(f"engine_world_sizes has {len(engine_world_sizes)} entries for {len(urls)} engines")
+        offsets = [1 + sum(engine_world_sizes[:i]) for i in range(len(urls))]
+        world_size = 1 + sum(engine_world_sizes)
+        await asyncio.gather(*(self._call(u, "/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": off,
+            "world_size": world_size, "group_name": group_name, "backend": backend}, expect_json=True)
+            for u, off in zip(urls, offsets)))
+        return world_size
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], *, group_name: str = "weight_update_group",
+                                              weight_version: int, flush_cache: bool = True) -> None:
+        """Announce one bucket; the trainer broadcasts the tensors in the same order meanwhile."""
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+        await self._broadcast("/update_weights_from_distributed", {
+            "names": list(names), "dtypes": list(dtypes), "shapes": [list(map(int, s)) for s in shapes],
+            "group_name": group_name, "flush_cache": flush_cache, "weight_version": str(int(weight_version))},
+            expect_json=True)
+        self.weight_version = int(weight_version)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self._broadcast("/destroy_weights_update_group", {"group_name": group_name}, expect_json=True)
+
+    async def flush_cache(self) -> None:
+        """Flush every engine's prefix cache (SGLang answers 400 while requests are pending)."""
+        await self._broadcast("/flush_cache", None)
+
+    async def model_info(self) -> list[dict]:
+        """``/model_info`` of every healthy engine (includes ``weight_version``)."""
+        replies = await self._broadcast("/model_info", None, method="GET", expect_json=True)
+        return [dict(replies[u], url=u) for u in replies]
+
+    async def health(self, timeout_s: float = 5.0) -> dict[str, bool]:
+        """``/health`` of every engine, unhealthy ones included; updates which engines receive data.
+
+        An engine comes back only if it also reports the last pushed weight version
+        (one that missed an update must not serve stale weights).
+        """
+        results = await asyncio.gather(*(self._probe(u, timeout_s) for u in self.engine_urls))
+        status = dict(zip(self.engine_urls, results))
+        for url, ok in status.items():
+            if ok:
+                self._router.mark_healthy(url)
+            else:
+                self._mark_unhealthy(url, "/health failed")
+        return status
+
+    async def _probe(self, url: str, timeout_s: float) -> bool:
+        try:
+            resp = await self._http.get(url + "/health", timeout=timeout_s)
+            if resp.status_code != 200:
+                return False
+            if self.weight_version is None:
+                return True
+            info = (await self._http.get(url + "/model_info", timeout=timeout_s)).json()
+            return str(info.get("weight_version")) == str(self.weight_version)
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+__all__ = ["RolloutClient", "EngineError"]
