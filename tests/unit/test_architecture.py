@@ -1,0 +1,215 @@
+"""Architecture rules from STYLE.md, checked on the source tree.
+
+- every YAML under configs/ loads as an ExperimentConfig and validates;
+- sao_megatron/algorithms is pure tensor maths (no megatron, torch.distributed, config objects);
+- the library never imports configs/, slurm/, checkpoints_tools/, tests/ (the lazy `_VERBS`
+  string table in sao_megatron/cli.py is the one place that may name such modules);
+- every config dataclass field carries a docstring (a string literal right under it);
+- no print() in the library outside cli modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+LIB = ROOT / "sao_megatron"
+FORBIDDEN_TOP = {"checkpoints_tools", "slurm", "configs", "tests"}
+MODULE_STRING = re.compile(r"^(checkpoints_tools|slurm|configs|tests)(\.[A-Za-z_]\w*)+$")
+
+
+def lib_files() -> list[pathlib.Path]:
+    return sorted(p for p in LIB.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def parse(path: pathlib.Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def rel(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import statement, including names imported from a package."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def dynamic_imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """Constant module names passed to importlib.import_module / __import__."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in {"import_module", "__import__"} and isinstance(node.args[0].value, str):
+                out.append((node.lineno, node.args[0].value))
+    return out
+
+
+# ---------------------------------------------------------------- 1. configs/ YAML
+
+
+def config_yamls() -> list[pathlib.Path]:
+    return sorted((ROOT / "configs").rglob("*.yaml"))
+
+
+def test_there_are_configs_to_check():
+    names = {p.relative_to(ROOT / "configs").as_posix() for p in config_yamls()}
+    assert "models/tiny_moe.yaml" in names
+
+
+@pytest.mark.parametrize("path", config_yamls(), ids=lambda p: p.relative_to(ROOT / "configs").as_posix())
+def test_every_yaml_in_configs_loads_and_validates(path):
+    from sao_megatron.config import ExperimentConfig, load_config
+
+    cfg = load_config(path)  # strict types + cross-field validation
+    assert isinstance(cfg, ExperimentConfig)
+
+
+# ---------------------------------------------------------------- 2. algorithms/ is pure maths
+
+
+def test_algorithms_import_no_megatron_distributed_or_config_statically():
+    bad = []
+    for path in sorted((LIB / "algorithms").rglob("*.py")):
+        for line, mod in imported_modules(parse(path)) + dynamic_imports(parse(path)):
+            if (mod.split(".")[0] == "megatron" or mod.startswith("torch.distributed")
+                    or mod.startswith("sao_megatron.config") or mod.startswith("sao_megatron.training")
+                    or mod.startswith("sao_megatron.models")):
+                bad.append(f"{rel(path)}:{line} imports {mod}")
+    assert not bad, "sao_megatron/algorithms must stay pure tensor maths:\n" + "\n".join(bad)
+
+
+def test_algorithms_do_not_pull_megatron_in_transitively():
+    modules = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts)
+                     for p in (LIB / "algorithms").rglob("*.py") if "__pycache__" not in p.parts)
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m.removesuffix('.__init__'))\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'megatron' or m == 'sao_megatron.config')\n"
+            "print(bad)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"importing sao_megatron.algorithms loads {out.stdout.strip()}"
+
+
+# ---------------------------------------------------------------- 3. one-way imports
+
+
+def verbs_table_strings(tree: ast.Module) -> set[int]:
+    """ids of the string constants that are values of the `_VERBS` dict in sao_megatron/cli.py."""
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == "_VERBS" and isinstance(node.value, ast.Dict):
+            return {id(v) for v in node.value.values}
+    raise AssertionError("sao_megatron/cli.py has no _VERBS dict literal")
+
+
+def test_library_never_imports_configs_slurm_tools_or_tests():
+    bad = []
+    for path in lib_files():
+        tree = parse(path)
+        for line, mod in imported_modules(tree) + dynamic_imports(tree):
+            if mod.split(".")[0] in FORBIDDEN_TOP:
+                bad.append(f"{rel(path)}:{line} imports {mod}")
+        allowed = verbs_table_strings(tree) if path == LIB / "cli.py" else set()
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in allowed
+                    and MODULE_STRING.match(node.value)):
+                bad.append(f"{rel(path)}:{node.lineno} names module {node.value!r}")
+    assert not bad, "the library must not depend on configs/, slurm/, checkpoints_tools/, tests/:\n" + "\n".join(bad)
+
+
+# ---------------------------------------------------------------- 4. config field docstrings
+
+
+def is_dataclass_decorator(dec: ast.expr) -> bool:
+    target = dec.func if isinstance(dec, ast.Call) else dec
+    name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+    return name in {"dataclass", "cfg"}
+
+
+def config_classes() -> list[tuple[pathlib.Path, ast.ClassDef]]:
+    """Dataclasses in sao_megatron/config/ plus every dataclass named *Config elsewhere in the library."""
+    out = []
+    for path in lib_files():
+        for node in ast.walk(parse(path)):
+            if (isinstance(node, ast.ClassDef) and any(is_dataclass_decorator(d) for d in node.decorator_list)
+                    and (path.parent == LIB / "config" or node.name.endswith("Config"))):
+                out.append((path, node))
+    return out
+
+
+def undocumented_fields(cls: ast.ClassDef) -> list[str]:
+    missing = []
+    for i, stmt in enumerate(cls.body):
+        if not isinstance(stmt, ast.AnnAssign) or not isinstance(stmt.target, ast.Name):
+            continue
+        if "ClassVar" in ast.unparse(stmt.annotation):
+            continue
+        nxt = cls.body[i + 1] if i + 1 < len(cls.body) else None
+        documented = (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                      and isinstance(nxt.value.value, str) and nxt.value.value.strip())
+        if not documented:
+            missing.append(f"{cls.name}.{stmt.target.id} (line {stmt.lineno})")
+    return missing
+
+
+def test_config_classes_are_found():
+    names = {cls.name for _, cls in config_classes()}
+    assert {"ModelConfig", "ParallelConfig", "ExperimentConfig", "ResourcesConfig", "RewardPhase"} <= names
+
+
+def test_every_config_field_has_a_docstring():
+    missing = [f"{rel(path)}: {m}" for path, cls in config_classes() for m in undocumented_fields(cls)]
+    assert not missing, "config fields need a one-line docstring right under them:\n" + "\n".join(missing)
+
+
+def test_undocumented_field_detector_catches_a_missing_docstring():
+    cls = ast.parse('class C:\n    a: int = 1\n    """doc"""\n    b: int = 2\n    c: int = 3\n    """doc"""\n').body[0]
+    assert undocumented_fields(cls) == ["C.b (line 4)"]
+
+
+def test_schema_dataclasses_are_kw_only_and_slotted():
+    from sao_megatron.config import schema
+
+    classes = [c for c in vars(schema).values() if isinstance(c, type) and dataclasses.is_dataclass(c)]
+    assert len(classes) >= 12
+    for cls in classes:
+        assert hasattr(cls, "__slots__"), f"{cls.__name__} must be a slots dataclass"
+        assert all(f.kw_only for f in dataclasses.fields(cls)), f"{cls.__name__} must be kw_only"
+
+
+# ---------------------------------------------------------------- 5. no print in the library
+
+
+def is_cli_module(path: pathlib.Path) -> bool:
+    return path.name == "cli.py" or path.name.endswith("_cli.py")
+
+
+def test_no_print_outside_cli_modules():
+    bad = []
+    for path in lib_files():
+        if is_cli_module(path):
+            continue
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                bad.append(f"{rel(path)}:{node.lineno}")
+    assert not bad, "use logging.getLogger(__name__) instead of print in the library:\n" + "\n".join(bad)
