@@ -1,0 +1,133 @@
+"""The one place that turns our configs into Megatron's TransformerConfig and GPTModel.
+
+Qwen3-MoE family (and GLM-4.5-style options): RMSNorm, per-head q/k RMSNorm,
+GQA, RoPE (base, partial rotary), SwiGLU experts routed top-k, optional shared
+experts, dense layers via ``moe_layer_freq``, sigmoid router + expert bias +
+top-k scaling, QKV bias. Field names are Megatron's, so most are copied as is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from sao_megatron.config.schema import ModelConfig, ParallelConfig
+from sao_megatron.models.specs import decoder_block_spec, transformer_engine_usable
+
+if TYPE_CHECKING:
+    from sao_megatron.training.distributed import ParallelContext
+
+logger = logging.getLogger(__name__)
+
+VOCAB_DIVISIBLE_BY = 128
+"""Padded vocab is a multiple of this times TP (Megatron's make_vocab_size_divisible_by default)."""
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# ModelConfig fields whose name and meaning are exactly Megatron's TransformerConfig ones.
+_SAME_NAME_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
+    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_aux_loss_coeff", "moe_token_dispatcher_type",
+    "qk_layernorm", "add_qkv_bias", "normalization", "layernorm_epsilon", "init_method_std",
+)
+_PARALLEL_FIELDS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size", "sequence_parallel",
+)
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Vocab rows actually allocated: the next multiple of ``divisible_by * tp_size``.
+
+    Rows >= ``vocab_size`` are padding: log-probs mask them out (models.actor.token_logprobs).
+    """
+    multiple = divisible_by * tp_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
+                             use_te: bool | None = None) -> TransformerConfig:
+    """Megatron TransformerConfig for actor and critic trunks (no process groups needed)."""
+    use_te = transformer_engine_usable() if use_te is None else use_te
+    dtype = _DTYPES[model.params_dtype]
+    kwargs = {name: getattr(model, name) for name in _SAME_NAME_FIELDS}
+    kwargs |= {name: getattr(parallel, name) for name in _PARALLEL_FIELDS}
+    is_moe = model.num_moe_experts is not None
+    pp = parallel.pipeline_model_parallel_size
+    kwargs |= dict(
+        moe_layer_freq=model.moe_layer_freq if is_moe else 1,
+        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+        # The expert bias is part of the policy the engines serve: RL keeps it fixed.
+        moe_router_bias_update_rate=0.0,
+        moe_grouped_gemm=is_moe and use_te,
+        # Qwen3/GLM: SwiGLU, no biases except the optional QKV bias (SequentialMLP with bias also
+        # fails an in-place view check on CPU).
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        # RL needs deterministic log-probs: the trainer's must match the engine's.
+        hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Micro-batches have different lengths; PP exchanges shapes (not allowed with allgather).
+        variable_seq_lengths=pp > 1 and model.moe_token_dispatcher_type != "allgather",
+        bias_activation_fusion=use_te, bias_dropout_fusion=use_te, masked_softmax_fusion=use_te,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )
+    return TransformerConfig(**kwargs)
+
+
+def is_first_chunk(ctx: ParallelContext, vp_stage: int | None) -> bool:
+    return ctx.pp_rank == 0 and (vp_stage is None or vp_stage == 0)
+
+
+def is_last_chunk(ctx: ParallelContext, vp_stage: int | None) -> bool:
+    vpp = ctx.vpp_size
+    return ctx.pp_rank == ctx.pp_size - 1 and (vp_stage is None or vpp is None or vp_stage == vpp - 1)
+
+
+def build_gpt_model(model: ModelConfig, ctx: ParallelContext, *, vp_stage: int | None = None,
+                    value_head: bool = False, config: TransformerConfig | None = None) -> GPTModel:
+    """One model chunk for this rank (pipeline stage ``ctx.pp_rank``, virtual stage ``vp_stage``).
+
+    ``value_head=True`` replaces the LM head by a scalar head (critic); the forward then
+    returns values [b, s, 1] instead of vocab-parallel logits [b, s, padded_vocab / tp].
+    """
+    config = config or build_transformer_config(model, ctx.parallel)
+    use_te = transformer_engine_usable()
+    spec = decoder_block_spec(config, use_te=use_te, pp_rank=ctx.pp_rank, vp_stage=vp_stage)
+    gpt = GPTModel(
+        config=config, transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(model.vocab_size, ctx.tp_size),
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=is_first_chunk(ctx, vp_stage), post_process=is_last_chunk(ctx, vp_stage),
+        parallel_output=True,
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights and not value_head,
+        position_embedding_type="rope", rotary_percent=model.rotary_percent, rotary_base=model.rotary_base,
+        pg_collection=ctx.pg, vp_stage=vp_stage)
+    if value_head and gpt.post_process:
+        from sao_megatron.models.critic import attach_value_head
+
+        attach_value_head(gpt, tp_group=ctx.tp_group)
+    return gpt
+
+
+def build_model_chunks(model: ModelConfig, ctx: ParallelContext, *, value_head: bool = False) -> list[GPTModel]:
+    """All model chunks of this rank: one, or ``virtual_pipeline_model_parallel_size`` with interleaved PP."""
+    config = build_transformer_config(model, ctx.parallel)
+    stages = [None] if ctx.vpp_size is None or ctx.pp_size == 1 else list(range(ctx.vpp_size))
+    return [build_gpt_model(model, ctx, vp_stage=s, value_head=value_head, config=config) for s in stages]
+
+
+def count_parameters(chunks: list[torch.nn.Module]) -> dict[str, int]:
+    """Local (this rank's shard) parameter counts: total, trainable, frozen."""
+    total = sum(p.numel() for c in chunks for p in c.parameters())
+    trainable = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
+    return {"total": total, "trainable": trainable, "frozen": total - trainable}

@@ -1,0 +1,276 @@
+"""Run megatron-core on machines without a GPU: every CPU shim lives here.
+
+megatron-core assumes CUDA in a handful of places (device placement, RNG
+tracker, streams/events, MoE token dispatch, gloo-incompatible collectives).
+``apply_cpu_shims()`` patches exactly those, only when ``torch.cuda.is_available()``
+is false, only for the megatron-core versions they were verified against, and
+at most once per process. On a GPU machine it does nothing.
+
+Each shim is a named function below. Its docstring says what breaks without
+it and which test catches the regression (see
+tests/component/test_megatron_cpu_shims.py); ``apply_cpu_shims(skip=...)``
+exists only so those tests can prove every shim is still needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Collection
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MEGATRON_VERSIONS = ("0.19.2",)
+"""megatron-core versions whose CUDA-only spots were audited for the shims below."""
+
+_MARK = "_sao_cpu_shim"
+
+
+class MegatronVersionError(RuntimeError):
+    """The installed megatron-core was not audited for the CPU shims."""
+
+
+def megatron_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def check_megatron_version() -> None:
+    """Raise MegatronVersionError naming the installed version and the fix."""
+    version = megatron_version()
+    if version not in SUPPORTED_MEGATRON_VERSIONS:
+        raise MegatronVersionError(
+            f"megatron-core {version} is installed, but the CPU shims in {__name__} were verified "
+            f"against {', '.join(SUPPORTED_MEGATRON_VERSIONS)}. Fix: install the pinned version "
+            f"(`pip install megatron-core=={SUPPORTED_MEGATRON_VERSIONS[-1]}`, or rerun scripts/setup.sh), "
+            f"or run on a GPU machine (no shims needed), or re-audit the shims for {version}: run "
+            f"tests/component/test_megatron_cpu_shims.py and add it to SUPPORTED_MEGATRON_VERSIONS.")
+
+
+def shims_applied() -> bool:
+    """True once apply_cpu_shims() has patched this process."""
+    return bool(getattr(torch.cuda, _MARK, False))
+
+
+def apply_cpu_shims(*, skip: Collection[str] = ()) -> None:
+    """Patch megatron-core/torch.cuda for CPU execution (no-op with a GPU; idempotent).
+
+    ``skip`` names shims to leave out; only the necessity tests use it.
+    """
+    if torch.cuda.is_available() or shims_applied():
+        return
+    check_megatron_version()
+    unknown = set(skip) - set(SHIMS)
+    if unknown:
+        raise ValueError(f"unknown CPU shim(s) {sorted(unknown)}; known: {sorted(SHIMS)}")
+    for name, shim in SHIMS.items():
+        if name not in skip:
+            shim()
+    setattr(torch.cuda, _MARK, True)  # the patched module itself records that it was patched
+    logger.info("megatron-core %s: CPU shims applied (%s)", megatron_version(),
+                ", ".join(n for n in SHIMS if n not in skip))
+
+
+# --------------------------------------------------------------------------- torch.cuda stubs
+class _CpuStream:
+    """Stand-in for torch.cuda.Stream: CPU work is synchronous, so every method is a no-op."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuEvent:
+    """Stand-in for torch.cuda.Event (record/wait/synchronize are no-ops on CPU)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _shim_torch_cuda_stubs() -> None:
+    """torch.cuda.current_device/streams/events/synchronize without a driver.
+
+    Without it: building an MoE layer fails in MoEAlltoAllTokenDispatcher.__init__
+    (``torch.cuda.Stream()``), and GlobalMemoryBuffer, rotary embedding, the router,
+    TP/PP mappings, p2p communication, DDP grad buffers and the checkpoint saver all
+    call ``torch.cuda.current_device()`` ("Found no NVIDIA driver").
+    Device index 0 is returned; the device mode below maps it to the CPU.
+    """
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.current_stream = lambda device=None: _CPU_STREAM
+    cuda.default_stream = lambda device=None: _CPU_STREAM
+    cuda.Stream = _CpuStream
+    cuda.Event = _CpuEvent
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.synchronize = lambda device=None: None
+
+
+# --------------------------------------------------------------------------- device mode
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int as a device means cuda:<int> for torch factory functions.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+                    "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Maps every CUDA placement to the CPU and lets CPU tensors pass CUDA type checks.
+
+    - ``device=`` arguments (``"cuda"``, ``torch.device("cuda", i)``, a bare index) -> cpu
+      (schedules, optimizer, clip_grads, grad buffers and many more use them);
+    - ``Tensor.cuda()``/``Tensor.to(<cuda>)``/``pin_memory`` -> stay on CPU;
+    - ``Tensor.type()`` reports ``torch.cuda.FloatTensor`` etc. because the optimizers and
+      clip_grads check ``param.type() == 'torch.cuda.FloatTensor'`` and reject anything else;
+    - ``record_stream`` is a no-op.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
+            return args[0]
+        if func is torch.Tensor.record_stream:
+            return None
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], torch.device("cpu"), *args[2:])
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = torch.device("cpu")
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return func(*args, **kwargs)
+
+
+def _shim_device_mode() -> None:
+    """Enter CudaToCpuMode for the rest of the process (see its docstring for what it covers).
+
+    Without it: forward/backward schedules (``device="cuda"``), DDP grad buffers,
+    get_megatron_optimizer (``param.type()`` checks) and clip_grads fail.
+    The mode is never exited: it must cover every later megatron call.
+    """
+    CudaToCpuMode().__enter__()
+
+
+# --------------------------------------------------------------------------- RNG tracker
+def _shim_rng_tracker() -> None:
+    """Megatron's model-parallel RNG tracker keeps CPU generator states instead of CUDA ones.
+
+    Without it: ``tensor_parallel.model_parallel_cuda_manual_seed`` (called by
+    training.distributed.init_distributed) fails in ``torch.cuda.get_rng_state``; and
+    ``_set_cuda_rng_state`` would silently queue its work forever (``_lazy_call`` never
+    runs without CUDA), so ``tracker.fork()`` would not switch streams at all.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    def seed(seed: int) -> None:
+        # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly.
+        torch.default_generator.manual_seed(seed)
+
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    for mod in (torch.cuda, torch.cuda.random):
+        mod.get_rng_state = lambda device="cuda": torch.get_rng_state()
+        mod.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+        mod.manual_seed = seed
+
+
+# --------------------------------------------------------------------------- MoE dispatch
+def _shim_alltoall_splits() -> None:
+    """alltoall dispatcher: split sizes become numpy arrays on CPU, as they do on GPU.
+
+    ``maybe_move_tensor_to_cpu`` only converts CUDA tensors; on CPU the split sizes stay
+    tensors and ``all_to_all_single`` rejects them (EP > 1 forward fails).
+    """
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.numpy()
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _shim_uneven_allgather() -> None:
+    """Gather with uneven split sizes over gloo: pad to the largest split, gather, trim.
+
+    gloo's all_gather needs equal sizes; the MoE dispatchers gather uneven token
+    counts over the expert-TP group (expert_tensor_parallel_size > 1) and fail without it.
+    """
+    from megatron.core.tensor_parallel import mappings
+
+    orig = mappings._gather_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return orig(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in output_split_sizes]
+        width = max(sizes)
+        padded = input_.new_zeros((width, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        chunks = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(chunks, padded.contiguous(), group=group)
+        return torch.cat([c[:s] for c, s in zip(chunks, sizes)], dim=0)
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+
+
+SHIMS: dict[str, Callable[[], None]] = {
+    "torch_cuda_stubs": _shim_torch_cuda_stubs,
+    "device_mode": _shim_device_mode,
+    "rng_tracker": _shim_rng_tracker,
+    "alltoall_splits": _shim_alltoall_splits,
+    "uneven_allgather": _shim_uneven_allgather,
+}
+"""Every shim by name, applied in this order."""
