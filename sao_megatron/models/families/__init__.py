@@ -1,0 +1,70 @@
+"""Supported HF model families: config translation and the declarative weight mappings.
+
+Public API::
+
+    model_config_from_hf(hf_dir_or_config) -> ModelConfig
+    hf_config_from_model(model_cfg) -> dict            # hub-style config.json
+    family_for_hf(hf_config, source) -> Family
+    get_family(name) -> Family                         # Family.weight_map(cfg) -> WeightMap
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from sao_megatron.config.schema import ModelConfig
+from sao_megatron.models.families import glm4_moe, qwen3_moe
+from sao_megatron.models.families.base import ConversionError, Family, WeightMap
+from sao_megatron.models.families.hf_config import read_hf_config
+
+__all__ = ["ConversionError", "FAMILIES", "Family", "WeightMap", "family_for_hf", "get_family",
+           "hf_config_from_model", "model_config_from_hf"]
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_moe.FAMILY, glm4_moe.FAMILY)}
+
+# Families we know of but do not convert yet (the reason is part of the error message).
+_NOT_YET = {
+    "deepseek_v3": "DeepSeek-V3 (MLA attention, yarn rope, MTP) is planned after Qwen3-MoE and GLM-MoE",
+    "deepseek_v2": "DeepSeek-V2 (MLA attention) is not supported yet",
+    "kimi_k2": "Kimi-K2 (DeepSeek-V3 architecture, MLA) is not supported yet",
+    "qwen2_moe": "Qwen2-MoE (gated shared expert) is not supported yet",
+    "mixtral": "Mixtral is not supported yet",
+}
+
+
+def get_family(name: str) -> Family:
+    """The family registered under ``ModelConfig.family``."""
+    if name not in FAMILIES:
+        raise ConversionError(f"unknown model family '{name}'; supported: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_for_hf(hf: dict[str, Any], source: str = "config.json") -> Family:
+    """The family of an HF config dict (by ``architectures``, then ``model_type``)."""
+    archs, model_type = list(hf.get("architectures") or []), hf.get("model_type")
+    for fam in FAMILIES.values():
+        if set(archs) & set(fam.architectures) or (not archs and model_type in fam.model_types):
+            return fam
+    supported = ", ".join(f"{f.architectures[0]} ({f.name})" for f in FAMILIES.values())
+    reason = _NOT_YET.get(str(model_type), "is not supported yet")
+    raise ConversionError(f"{source}: architecture {archs or '?'} (model_type '{model_type}'): {reason}; "
+                          f"supported: {supported}")
+
+
+def model_config_from_hf(hf: str | pathlib.Path | dict[str, Any]) -> ModelConfig:
+    """ModelConfig (Megatron field names) of an HF model directory or config.json dict."""
+    source = "config.json"
+    if not isinstance(hf, dict):
+        source = str(pathlib.Path(hf) / "config.json")
+        hf = read_hf_config(hf)
+    fam = family_for_hf(hf, source)
+    try:
+        return fam.config_from_hf(hf, source)
+    except (TypeError, KeyError) as exc:  # a key with the wrong type in the file
+        raise ConversionError(f"{source}: unexpected value in config.json ({exc})") from exc
+
+
+def hf_config_from_model(model_cfg: ModelConfig) -> dict[str, Any]:
+    """Hub-style HF config.json dict for ``model_cfg`` (transformers 4/5 and SGLang read it)."""
+    return get_family(model_cfg.family).config_to_hf(model_cfg)
