@@ -17,6 +17,7 @@ import sys
 _VERBS: dict[str, str] = {
     "config": "sao_megatron.config.cli",
     "report": "sao_megatron.training.report",
+    "convert": "checkpoints_tools.cli",
 }
 
 
