@@ -80,6 +80,9 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         variable_seq_lengths=pp > 1 and model.moe_token_dispatcher_type != "allgather",
         bias_activation_fusion=use_te, bias_dropout_fusion=use_te, masked_softmax_fusion=use_te,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        # Losses arrive pre-normalised by global counts (training.forward): Megatron must not divide
+        # by the number of micro-batches nor average over DP; gradients are summed.
+        calculate_per_token_loss=True,
     )
     return TransformerConfig(**kwargs)
 

@@ -266,11 +266,31 @@ def _shim_uneven_allgather() -> None:
     mappings._gather_along_first_dim = gather_along_first_dim
 
 
+# --------------------------------------------------------------------------- optimizer checkpoint
+def _shim_dist_optimizer_step_state() -> None:
+    """Loading distributed-optimizer state with torch's Adam (no apex/TE, i.e. every CPU machine).
+
+    torch Adam keeps a ``step`` tensor per parameter; DistributedOptimizer.load_state_dict
+    restores it separately, then ``_set_main_param_and_optimizer_states`` copies every state
+    tensor from the checkpoint and fails with KeyError 'step' (the checkpoint entries skip it).
+    Marking ``step`` as absent (None) makes it skip that key, as it does for non-tensors.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    orig = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        return orig(self, model_param, {"step": None, **tensors})
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
 SHIMS: dict[str, Callable[[], None]] = {
     "torch_cuda_stubs": _shim_torch_cuda_stubs,
     "device_mode": _shim_device_mode,
     "rng_tracker": _shim_rng_tracker,
     "alltoall_splits": _shim_alltoall_splits,
     "uneven_allgather": _shim_uneven_allgather,
+    "dist_optimizer_step_state": _shim_dist_optimizer_step_state,
 }
 """Every shim by name, applied in this order."""

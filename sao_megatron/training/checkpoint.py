@@ -1,0 +1,120 @@
+"""Megatron distributed checkpoints (torch_dist) of model chunks and optimizer, resharding on load.
+
+Tensors are identified by their global sharded keys (layer numbers are global,
+TP/EP/PP shards are described by offsets), so a checkpoint written with one
+layout (TP2×EP2, PP2 with VPP, ...) loads into any other. The distributed
+optimizer state is saved ``fully_reshardable`` for the same reason.
+
+Every rank must call these collectively. Entry scripts need an
+``if __name__ == "__main__":`` guard: saving starts a multiprocessing manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+"""Distributed-optimizer state format that reshards across TP/PP/EP/DP on load."""
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside a DDP (or other ``.module``) wrapper."""
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def _model_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"
+
+
+def _drop_keys(sharded: dict[str, Any], exclude: Sequence[str]) -> dict[str, Any]:
+    """Remove entries whose checkpoint key starts with one of ``exclude`` (e.g. 'output_layer.')."""
+    def keep(name: str, value: Any) -> bool:
+        key = value.key if isinstance(value, ShardedBase) else name
+        return not any(key.startswith(p) or name.startswith(p) for p in exclude)
+
+    return {k: v for k, v in sharded.items() if keep(k, v)}
+
+
+def sharded_model_state(model_chunks: Sequence[torch.nn.Module], exclude: Sequence[str] = ()) -> dict[str, Any]:
+    n = len(model_chunks)
+    return {_model_key(i, n): _drop_keys(_unwrap(c).sharded_state_dict(), exclude)
+            for i, c in enumerate(model_chunks)}
+
+
+def save_checkpoint(path: str | pathlib.Path, model_chunks: Sequence[torch.nn.Module], optimizer=None,
+                    extra: dict[str, Any] | None = None) -> None:
+    """Save model chunks (+ optimizer state, + ``extra``: rank-0 picklable objects) to a new directory."""
+    path = pathlib.Path(path)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        if any(path.iterdir()):
+            raise ValueError(f"checkpoint directory {path} is not empty: save into a fresh directory")
+    dist.barrier()
+    state: dict[str, Any] = sharded_model_state(model_chunks)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=OPTIMIZER_SHARDING)
+    if extra is not None:
+        state["extra"] = extra
+    dist_checkpointing.save(state, str(path))
+    dist.barrier()
+    logger.info("saved checkpoint %s", path)
+
+
+def load_checkpoint(path: str | pathlib.Path, model_chunks: Sequence[torch.nn.Module], optimizer=None, *,
+                    exclude: Sequence[str] = ()) -> dict[str, Any] | None:
+    """Load into the model chunks (any layout) and the optimizer; returns the saved ``extra``.
+
+    ``exclude``: checkpoint key prefixes left out (e.g. ``("output_layer.",)`` to initialise a
+    critic from an actor checkpoint); those parameters keep their current values.
+    """
+    path = pathlib.Path(path)
+    if not (path / "metadata.json").exists():
+        raise ValueError(f"{path} is not a Megatron distributed checkpoint (no metadata.json)")
+    state: dict[str, Any] = sharded_model_state(model_chunks, exclude)
+    if optimizer is not None:
+        _ensure_optimizer_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=OPTIMIZER_SHARDING)
+    loaded = dist_checkpointing.load(state, str(path))
+    n = len(model_chunks)
+    for i, chunk in enumerate(model_chunks):
+        missing, unexpected = _unwrap(chunk).load_state_dict(loaded[_model_key(i, n)], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")
+                   and not any(k.startswith(p) for p in exclude)]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    logger.info("loaded checkpoint %s", path)
+    return loaded.get("extra")
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """Give a never-stepped optimizer zero Adam state with a ``step`` entry.
+
+    Without apex/TE, Megatron's DistributedOptimizer.state_dict() reads ``step`` from the
+    torch Adam state, which only exists after a first step (and its init_state_fn adds none):
+    loading into a fresh optimizer (resume, reshard) would fail on an assertion.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        init = getattr(sub, "init_state_fn", None)
+        # Only torch's own Adam keeps `step` in the state (TE/apex fused Adam keep it in param groups).
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or init is None or len(inner.state):
+            continue
+        init(inner, sub.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
