@@ -16,7 +16,9 @@ import sys
 # verb -> module with add_parser(subparsers). One line per verb.
 _VERBS: dict[str, str] = {
     "config": "sao_megatron.config.cli",
+    "plan": "sao_megatron.models.plan_cli",
     "report": "sao_megatron.training.report",
+    "serve-local": "sao_megatron.rollout.engine.cli",
     "convert": "checkpoints_tools.cli",
 }
 

@@ -1,0 +1,245 @@
+"""Start and stop local rollout processes: embedded engines and the real sglang-router.
+
+Both bind to 127.0.0.1 only. Engines take ``--port 0`` and report the port the
+OS gave them through a file (no port race); the router has no such option, so
+it gets a port probed just before it starts (retried if it loses the race).
+Every process gets its own session so ``stop()`` ends it and its children,
+and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _offline_env() -> dict[str, str]:
+    """The environment for child processes: no hub downloads, no proxies for loopback traffic."""
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+    return env
+
+
+def _log_tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM the process group started for ``proc``, SIGKILL after ``timeout``."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _wait_http_ok(url: str, proc: subprocess.Popen, log: Path, deadline: float, what: str) -> None:
+    with httpx.Client(trust_env=False, timeout=2.0) as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with code {proc.returncode} during startup; log {log}:\n"
+                                   f"{_log_tail(log)}")
+            try:
+                if http.get(url).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{what} not healthy at {url} in time; log {log}:\n{_log_tail(log)}")
+
+
+class LocalEngines:
+    """``num_engines`` embedded engines (``sao-megatron serve-local``) on free loopback ports.
+
+    A context manager: ``with LocalEngines(d, 2) as engines: engines.urls``.
+    """
+
+    def __init__(self, model_dir: str | Path, num_engines: int, *, api_key: str | None = None,
+                 extra_args: Sequence[str] = (), log_dir: str | Path | None = None, startup_timeout_s: float = 180.0):
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        self.model_dir = str(model_dir)
+        self.num_engines = num_engines
+        self.api_key = api_key
+        self.extra_args = list(extra_args)
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="sao-engines-"))
+        self.startup_timeout_s = startup_timeout_s
+        self.processes: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+        self.logs: list[Path] = []
+
+    def _command(self, port_file: Path) -> list[str]:
+        cmd = [sys.executable, "-m", "sao_megatron.cli", "--log-level", "WARNING", "serve-local",
+               "--model-dir", self.model_dir, "--port", "0", "--port-file", str(port_file), "--skip-tokenizer-init"]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        return cmd + self.extra_args
+
+    def start(self) -> list[str]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        port_files = []
+        try:
+            for i in range(self.num_engines):
+                port_file, log = self.log_dir / f"engine{i}.port", self.log_dir / f"engine{i}.log"
+                port_file.unlink(missing_ok=True)
+                with open(log, "w") as fh:
+                    self.processes.append(subprocess.Popen(self._command(port_file), stdout=fh, stderr=subprocess.STDOUT,
+                                                           env=_offline_env(), start_new_session=True))
+                port_files.append(port_file)
+                self.logs.append(log)
+            deadline = time.monotonic() + self.startup_timeout_s
+            for proc, port_file, log in zip(self.processes, port_files, self.logs):
+                url = f"http://127.0.0.1:{self._wait_port(proc, port_file, log, deadline)}"
+                _wait_http_ok(url + "/health", proc, log, deadline, f"engine {url}")
+                self.urls.append(url)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("started %d embedded engines: %s", self.num_engines, self.urls)
+        return self.urls
+
+    @staticmethod
+    def _wait_port(proc: subprocess.Popen, port_file: Path, log: Path, deadline: float) -> int:
+        while time.monotonic() < deadline:
+            if port_file.exists():
+                return int(port_file.read_text())
+            if proc.poll() is not None:
+                raise RuntimeError(f"engine exited with code {proc.returncode} during startup; log {log}:\n"
+                                   f"{_log_tail(log)}")
+            time.sleep(0.1)
+        raise TimeoutError(f"engine did not bind a port in time; log {log}:\n{_log_tail(log)}")
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one engine at once (failure tests)."""
+        proc = self.processes[index]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def stop(self) -> None:
+        for proc in self.processes:
+            _stop_process(proc)
+
+    def __enter__(self) -> LocalEngines:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SGLangRouterProcess:
+    """The real sglang-router (PyPI ``sglang-router``) on 127.0.0.1 in front of ``worker_urls``.
+
+    It must never reach the network: pass ``tokenizer_path`` (a local directory) or let
+    the workers report a local path in ``/model_info`` (the embedded engine does); the
+    hub is disabled in its environment either way.
+    """
+
+    def __init__(self, worker_urls: Sequence[str], *, policy: str = "round_robin", api_key: str | None = None,
+                 tokenizer_path: str | None = None, log_dir: str | Path | None = None,
+                 startup_timeout_s: float = 60.0, request_timeout_s: int = 1800, extra_args: Sequence[str] = ()):
+        self.worker_urls = list(worker_urls)
+        self.policy = policy
+        self.api_key = api_key
+        self.tokenizer_path = tokenizer_path
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="sao-router-"))
+        self.startup_timeout_s = startup_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.extra_args = list(extra_args)
+        self.process: subprocess.Popen | None = None
+        self.url = ""
+
+    def _command(self, port: int) -> list[str]:
+        # Retries off: a generation that failed mid-way must surface, not silently run twice.
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", *self.worker_urls, "--policy", self.policy, "--disable-retries",
+               "--log-level", "warn", "--request-timeout-secs", str(self.request_timeout_s),
+               "--health-check-interval-secs", "5", "--prometheus-host", "127.0.0.1",
+               "--prometheus-port", str(free_port())]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        if self.tokenizer_path:
+            cmd += ["--tokenizer-path", self.tokenizer_path]
+        return cmd + self.extra_args
+
+    def start(self) -> str:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / "router.log"
+        for attempt in range(3):
+            port = free_port()
+            with open(log, "w") as fh:
+                self.process = subprocess.Popen(self._command(port), stdout=fh, stderr=subprocess.STDOUT,
+                                                env=_offline_env(), start_new_session=True)
+            url = f"http://127.0.0.1:{port}"
+            try:
+                _wait_http_ok(url + "/health", self.process, log, time.monotonic() + self.startup_timeout_s,
+                              "sglang-router")
+                self._wait_workers(url, log)
+            except RuntimeError:
+                self.stop()
+                if attempt == 2:
+                    raise
+                continue
+            except BaseException:
+                self.stop()
+                raise
+            self.url = url
+            return url
+        raise AssertionError("unreachable")
+
+    def _wait_workers(self, url: str, log: Path) -> None:
+        """Until the router lists every worker as healthy."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        with httpx.Client(trust_env=False, timeout=2.0, headers=headers) as http:
+            while time.monotonic() < deadline:
+                try:
+                    workers = http.get(url + "/workers").json().get("workers", [])
+                    healthy = {w["url"].rstrip("/") for w in workers if w.get("is_healthy")}
+                    if healthy >= {u.rstrip("/") for u in self.worker_urls}:
+                        return
+                except (httpx.HTTPError, ValueError, KeyError, AttributeError):
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"sglang-router did not register {self.worker_urls}; log {log}:\n{_log_tail(log)}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop_process(self.process)
+
+    def __enter__(self) -> SGLangRouterProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
