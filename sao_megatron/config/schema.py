@@ -333,6 +333,10 @@ class RunConfig:
     """Stop after this many consecutive non-finite losses (each one is skipped)."""
     sft_steps: int = 0
     """Optional supervised warm-up steps on task demonstrations before RL."""
+    sft_lr: float = 1e-3
+    """Learning rate of the supervised warm-up."""
+    sft_batch_size: int = 64
+    """Demonstrations per supervised warm-up step."""
 
 
 @cfg
