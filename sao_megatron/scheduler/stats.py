@@ -1,0 +1,108 @@
+"""Rollout metrics: staleness of consumed samples, version lags per token, engine utilisation.
+
+Per-batch quantities cover the samples consumed since the last ``report``; counters are
+cumulative over the run (and survive ``state_dict``). Engine utilisation is the fraction of the
+report window during which an engine had at least one /generate request open, measured from the
+client side (the interval [send, reply] of every finished request, clipped to the window; a
+request still open at report time is counted in the window in which it finishes).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+from sao_megatron.scheduler.sample import Sample
+
+COUNTERS = ("admitted", "trained", "dropped_stale", "interrupted", "resumed", "discarded", "engine_retries",
+            "failed", "reward_errors")
+
+
+@dataclass(slots=True)
+class RolloutStats:
+    """Accumulators behind ``AsyncScheduler.metrics()``."""
+
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    _batch: list[tuple[Sample, int]] = field(default_factory=list)
+    _busy: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: collections.defaultdict(list))
+    _window_start: float = field(default_factory=time.monotonic)
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    def observe_consumed(self, samples: list[Sample], version: int) -> None:
+        self._batch.extend((s, version) for s in samples)
+
+    def observe_request(self, url: str, start: float, end: float) -> None:
+        self._busy[url].append((start, end))
+
+    def report(self, engine_urls: list[str]) -> dict[str, float]:
+        now = time.monotonic()
+        out = {f"rollout/{k}": float(v) for k, v in self.counters.items()}
+        out.update(self._staleness())
+        out.update(self._rewards())
+        out.update(self._utilisation(engine_urls, self._window_start, now))
+        self._batch.clear()
+        self._window_start = now
+        return out
+
+    def _staleness(self) -> dict[str, float]:
+        if not self._batch:
+            return {}
+        lags = [s.staleness(v) for s, v in self._batch]
+        out = {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags)),
+               "rollout/batch_samples": float(len(lags)),
+               "rollout/response_tokens_mean": sum(len(s.response_ids) for s, _ in self._batch) / len(lags),
+               "rollout/interrupted_samples_frac": sum(s.num_interruptions > 0 for s, _ in self._batch) / len(lags)}
+        for lag, n in collections.Counter(lags).items():
+            out[f"rollout/staleness_hist/{lag}"] = float(n)
+        token_lags = collections.Counter(v - tv for s, v in self._batch for tv in s.action_versions)
+        total = sum(token_lags.values())
+        for lag, n in token_lags.items():
+            out[f"rollout/token_frac_lag/{lag}"] = n / total
+        mixed = sum(len(set(s.action_versions)) > 1 for s, _ in self._batch)
+        out["rollout/mixed_version_frac"] = mixed / len(lags)
+        return out
+
+    def _rewards(self) -> dict[str, float]:
+        by_phase: dict[int, list[float]] = collections.defaultdict(list)
+        for s, _ in self._batch:
+            by_phase[s.phase].append(s.reward)
+        out = {}
+        for phase, rs in by_phase.items():
+            mean = sum(rs) / len(rs)
+            out[f"rollout/reward_mean/phase_{phase}"] = mean
+            out[f"rollout/reward_max/phase_{phase}"] = max(rs)
+            out[f"rollout/reward_std/phase_{phase}"] = (sum((r - mean) ** 2 for r in rs) / len(rs)) ** 0.5
+        if self._batch:
+            rewards = [s.reward for s, _ in self._batch]
+            out["rollout/reward_mean"] = sum(rewards) / len(rewards)
+            out["rollout/phase"] = float(max(s.phase for s, _ in self._batch))
+            out["rollout/reward_error_frac"] = sum(s.reward_error is not None for s, _ in self._batch) / len(rewards)
+        return out
+
+    def _utilisation(self, urls: list[str], t0: float, t1: float) -> dict[str, float]:
+        if t1 <= t0 or not urls:
+            return {}
+        utils = []
+        for url in urls:
+            utils.append(min(1.0, _union_length(self._busy.get(url, []), t0, t1) / (t1 - t0)))
+            self._busy[url] = []
+        out = {f"rollout/engine_util/{i}": u for i, u in enumerate(utils)}
+        out["rollout/engine_util_mean"] = sum(utils) / len(utils)
+        out["rollout/engine_util_min"] = min(utils)
+        return out
+
+
+def _union_length(intervals: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """Total length of the union of ``intervals`` clipped to [t0, t1]."""
+    clipped = sorted((max(s, t0), min(e, t1)) for s, e in intervals if e > t0 and s < t1)
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in clipped:
+        if cur_e is None or s > cur_e:
+            total += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (0.0 if cur_e is None else cur_e - cur_s)
