@@ -1,0 +1,284 @@
+"""What runs on one node of a launched allocation (sbatch script and submitit job alike).
+
+``python -m sao_megatron.launch.node train|rollout --config X.yaml --run-dir D [layout flags]``
+is started by ``srun`` on each trainer node / rollout node. It reads the allocation from
+``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST`` and ``SLURM_NODEID`` (the node's index within its
+step), then:
+
+- trainer node: waits until every engine (and the router) answers ``/health``, then runs
+  torchrun (static rendezvous on trainer node 0) for ``sao-megatron train --resume auto``
+  and exits with its status once every process it started has exited.
+- rollout node: starts its engine servers, on rollout node 0 also the router once all
+  engines are healthy, and keeps them up until the stop file appears or SIGTERM/SIGINT.
+
+Signals: Slurm delivers a job-step signal to every process of the step, so the trainer ranks
+get SIGUSR1/SIGTERM straight from Slurm (and once more from torchrun). This runner only has to
+outlive them: it ignores SIGUSR1/SIGUSR2/SIGTERM on trainer nodes and becomes the child
+subreaper so that ranks orphaned by an early torchrun exit are still waited for (an exiting
+task would end the step and kill a rank mid-checkpoint). Engines start with SIGUSR1/SIGUSR2
+ignored: a checkpoint signal aimed at the trainer must never take a server down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from sao_megatron.launch import plan as lp
+from sao_megatron.launch.plan import LaunchPlan
+
+log = logging.getLogger(__name__)
+_PR_SET_CHILD_SUBREAPER = 36
+ENGINE_START_TIMEOUT_S = 1800.0  # large MoE checkpoints take many minutes to load
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """Where the layout's pieces are in the running job."""
+
+    job_id: int
+    train_addrs: list[str]
+    rollout_addrs: list[str]
+    port_base: int
+
+
+def allocation_from_slurm(plan: LaunchPlan, env: dict[str, str] | None = None) -> Allocation:
+    """Split ``SLURM_JOB_NODELIST`` (scontrol order) into trainer and rollout nodes."""
+    from sao_megatron.launch.slurm_query import hostnames, node_addresses
+
+    env = os.environ if env is None else env
+    names = hostnames(env["SLURM_JOB_NODELIST"])
+    needed = plan.nodes_train + plan.nodes_rollout
+    if len(names) < needed:
+        raise ValueError(f"the job has {len(names)} nodes but the layout needs {needed}")
+    addrs = node_addresses(names[:needed])
+    job_id = int(env["SLURM_JOB_ID"])
+    return Allocation(job_id=job_id, train_addrs=addrs[:plan.nodes_train],
+                      rollout_addrs=addrs[plan.nodes_train:needed], port_base=lp.port_base(job_id))
+
+
+def endpoints(plan: LaunchPlan, alloc: Allocation) -> tuple[list[str], str | None]:
+    """Engine URLs and the router URL (None without a router) of this allocation."""
+    urls = [lp.url(a, p) for a, p in lp.engine_endpoints(alloc.rollout_addrs, alloc.port_base,
+                                                          lp.engines_per_node(plan))]
+    router = lp.url(*lp.router_endpoint(alloc.rollout_addrs, alloc.port_base)) if lp.uses_router(plan) else None
+    return urls, router
+
+
+def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=timeout_s) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_healthy(urls: list[str], *, timeout_s: float, alive=lambda: True, what: str = "engine") -> None:
+    """Poll ``/health`` of every URL; TimeoutError naming the ones that never answered."""
+    pending = list(urls)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        pending = [u for u in pending if not is_healthy(u)]
+        if not pending:
+            return
+        if not alive():
+            raise RuntimeError(f"a local {what} process exited before {pending} became healthy")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}s not healthy after {timeout_s:.0f} s: {pending}")
+        time.sleep(0.5)
+
+
+def _ignore_checkpoint_signals() -> None:  # runs in the child between fork and exec
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+def _become_subreaper() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: orphans go to init, nothing else changes
+        log.warning("could not become child subreaper; ranks orphaned by torchrun are not waited for")
+
+
+def _reap_all(first: subprocess.Popen) -> int:
+    """Wait for ``first`` and then for every other descendant re-parented to us."""
+    code = first.wait()
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return code
+
+
+def run_trainer_node(plan: LaunchPlan, alloc: Allocation, node_rank: int, *,
+                     started: threading.Event | None = None, on_process=None) -> int:
+    """Wait for the engines, then run torchrun for this node; returns its exit status."""
+    engine_urls, router_url = endpoints(plan, alloc)
+    if engine_urls:
+        wait_healthy(engine_urls + ([router_url] if router_url else []), timeout_s=ENGINE_START_TIMEOUT_S)
+    argv = lp.trainer_argv(plan, python=sys.executable, node_rank=node_rank, master_addr=alloc.train_addrs[0],
+                           master_port=alloc.port_base + lp.MASTER_PORT_OFFSET,
+                           layout_overrides=lp.rollout_overrides(engine_urls, router_url))
+    log.info("trainer node %d: %s", node_rank, " ".join(argv))
+    _become_subreaper()
+    # torchrun would die on SIGUSR1 (and the step would take the ranks down mid-checkpoint);
+    # ignored here it keeps waiting while the ranks, which get the signal from Slurm directly
+    # and install their own handler, checkpoint and exit.
+    proc = subprocess.Popen(argv, preexec_fn=_ignore_checkpoint_signals)
+    if on_process is not None:
+        on_process(proc)
+    if started is not None:
+        started.set()
+    code = _reap_all(proc)
+    log.info("trainer node %d: torchrun exited with %d", node_rank, code)
+    return code
+
+
+def engine_model_dir(plan: LaunchPlan) -> str:
+    """The weights engines start from: --engine-model-dir, else the config's model.hf_dir."""
+    if plan.engine_model_dir:
+        return plan.engine_model_dir
+    from sao_megatron.config import load_config
+
+    model_dir = load_config(plan.config, plan.overrides, check=False).model.hf_dir
+    if not model_dir:
+        raise ValueError(f"{plan.config}: rollout nodes need weights to serve: set model.hf_dir in the config "
+                         f"or pass --engine-model-dir (the trainer pushes its own weights after start)")
+    return model_dir
+
+
+def _start(argv: list[str]) -> subprocess.Popen:
+    log.info("starting: %s", " ".join(argv))
+    return subprocess.Popen(argv, preexec_fn=_ignore_checkpoint_signals)
+
+
+def _stop_all(procs: list[subprocess.Popen], grace_s: float = 15.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_rollout_node(plan: LaunchPlan, alloc: Allocation, node_index: int, *, stop: threading.Event,
+                     stop_file: pathlib.Path | None = None) -> int:
+    """Serve this node's engines (and the router on rollout node 0) until ``stop`` or the stop file."""
+    from sao_megatron.config import load_config
+
+    model_dir = engine_model_dir(plan)
+    routed = load_config(plan.config, plan.overrides, check=False).rollout.return_routed_experts
+    per_node = lp.engines_per_node(plan)
+    host = alloc.rollout_addrs[node_index]
+    mine = lp.engine_endpoints(alloc.rollout_addrs, alloc.port_base, per_node)[node_index * per_node:][:per_node]
+    procs = [_start(lp.engine_argv(plan, python=sys.executable, model_dir=model_dir, host=host, port=port,
+                                   local_index=k, return_routed_experts=routed))
+             for k, (_, port) in enumerate(mine)]
+    try:
+        engine_urls, router_url = endpoints(plan, alloc)
+        if router_url and node_index == 0:
+            wait_healthy(engine_urls, timeout_s=ENGINE_START_TIMEOUT_S,
+                         alive=lambda: all(p.poll() is None for p in procs))
+            rhost, rport = lp.router_endpoint(alloc.rollout_addrs, alloc.port_base)
+            procs.append(_start(lp.router_argv(python=sys.executable, host=rhost, port=rport,
+                                               worker_urls=engine_urls, model_dir=model_dir)))
+        return _serve(procs, stop, stop_file)
+    finally:
+        _stop_all(procs)
+
+
+def _serve(procs: list[subprocess.Popen], stop: threading.Event, stop_file: pathlib.Path | None) -> int:
+    while not stop.wait(1.0):
+        if stop_file is not None and stop_file.exists():
+            log.info("stop file %s present: shutting the engines down", stop_file)
+            return 0
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            log.error("server exited with %d: %s", dead[0].returncode, " ".join(map(str, dead[0].args)))
+            return 1
+    return 0
+
+
+def stop_file_path(run_dir: str, job_id: int) -> pathlib.Path:
+    """Written by trainer node 0 when training ends, so rollout nodes of that job shut down."""
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return pathlib.Path(run_dir) / "launch" / f"done-{job_id}-{restart}"
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by ``sao-megatron launch`` and the node runner (names match LaunchPlan)."""
+    from sao_megatron.config.cli import add_config_args
+
+    add_config_args(p)
+    p.add_argument("--run-dir", required=True, help="run directory on a shared file system")
+    p.add_argument("--nodes-train", type=int, default=1, help="trainer nodes (default 1)")
+    p.add_argument("--nodes-rollout", type=int, default=1, help="rollout nodes (default 1; 0 = none)")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0: CPU)")
+    p.add_argument("--procs-per-node", type=int, default=None, help="trainer processes per node "
+                   "(default: GPUs per node, 1 on CPU)")
+    p.add_argument("--gpus-per-engine", type=int, default=None, help="GPUs (TP) per SGLang server "
+                   "(default: all GPUs of a node)")
+    p.add_argument("--server", choices=["auto", "sglang", "embedded"], default="auto",
+                   help="engine server on rollout nodes (auto: sglang with GPUs, embedded without)")
+    p.add_argument("--engine-model-dir", default=None, help="weights the engines load (default model.hf_dir)")
+    p.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
+                   help="extra argument for every engine server (repeatable)")
+    p.add_argument("--router", choices=["auto", "sglang_router", "none"], default="auto",
+                   help="sglang-router in front of the engines (auto: with more than one engine)")
+    p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=int, default=600,
+                   help="seconds ranks get to finish a checkpoint after a signal (default 600)")
+    p.add_argument("--entry-module", default="sao_megatron.cli", help=argparse.SUPPRESS)
+
+
+def plan_from_args(args: argparse.Namespace, **extra) -> LaunchPlan:
+    return LaunchPlan(config=os.path.abspath(args.config), overrides=list(args.overrides),
+                      run_dir=os.path.abspath(args.run_dir), nodes_train=args.nodes_train,
+                      nodes_rollout=args.nodes_rollout, gpus_per_node=args.gpus_per_node,
+                      procs_per_node=args.procs_per_node, gpus_per_engine=args.gpus_per_engine,
+                      server=args.server, engine_model_dir=args.engine_model_dir,
+                      engine_args=list(args.engine_args), router=args.router,
+                      shutdown_timeout_s=args.shutdown_timeout_s, entry_module=args.entry_module, **extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sao_megatron.launch.node",
+                                     description="Run this node's part of a launched layout (called by srun).")
+    parser.add_argument("role", choices=["train", "rollout"])
+    add_plan_args(parser)
+    parser.add_argument("--stop-file", type=pathlib.Path, default=None,
+                        help="rollout: shut the engines down once this file exists")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s launch.node: %(message)s")
+    plan = plan_from_args(args)
+    alloc = allocation_from_slurm(plan)
+    index = int(os.environ.get("SLURM_NODEID", "0"))
+    stop = threading.Event()
+    if args.role == "train":
+        for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, lambda s, f: log.info("trainer node: got %s (the ranks got it too)",
+                                                     signal.Signals(s).name))
+        return run_trainer_node(plan, alloc, index)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: stop.set())
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    return run_rollout_node(plan, alloc, index, stop=stop, stop_file=args.stop_file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
