@@ -88,6 +88,10 @@ class RolloutClient:
     def healthy_urls(self) -> list[str]:
         return self._router.healthy()
 
+    def engine_of(self, rid: str) -> str | None:
+        """The engine the built-in router sent ``rid`` to (None if unknown or routed by sglang-router)."""
+        return self._router.engine_of(rid)
+
     def _mark_unhealthy(self, url: str, why: str) -> None:
         if url in self._router.inflight and self._router.is_healthy(url):
             logger.warning("engine %s marked unhealthy: %s", url, why)
@@ -220,7 +224,7 @@ class RolloutClient:
         targets = self.healthy_urls() if url == self.router_url else [url]
         for target in targets:
             try:
-                await self._http.post(target + "/abort_request", json={"rid": rid}, timeout=5.0)
+                await self._http.post(target + "/abort_request", json={"rid": rid}, timeout=2.0)
             except httpx.HTTPError:
                 pass
 

@@ -147,7 +147,7 @@ def poll_until(predicate, timeout: float = 20.0, interval: float = 0.005, what: 
 
 class FakeEngine:
     """A loopback HTTP server that misbehaves on /generate as told: ``mode`` in
-    malformed | http500 | slow | drop | wrong_lengths | ok."""
+    malformed | http500 | slow | drop | wrong_lengths | ok; other paths answer 200 {}."""
 
     def __init__(self, mode: str, *, delay_s: float = 5.0):
         self.mode, self.delay_s = mode, delay_s
@@ -163,7 +163,7 @@ class FakeEngine:
             def do_POST(self):
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length) or b"{}")
-                fake.handle(self, body)
+                fake.handle(self, body) if self.path == "/generate" else self._send(200, b"{}")
 
             def _send(self, status: int, data: bytes, ctype: str = "application/json"):
                 self.send_response(status)
@@ -172,7 +172,11 @@ class FakeEngine:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):  # a client that gave up (timeouts) is expected
+                pass
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
