@@ -113,4 +113,4 @@ class Task(abc.ABC):
         ids = [t for t, m in zip(trajectory_ids, action_mask) if m]
         if self.tokenizer.eos_id in ids:
             ids = ids[:ids.index(self.tokenizer.eos_id)]
-        return self.tokenizer.decode(ids, skip_special=True)
+        return self.tokenizer.decode(ids, skip_special=True, strict=False)

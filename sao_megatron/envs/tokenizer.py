@@ -29,19 +29,29 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(self.id_to_token)
 
-    def encode(self, text: str) -> list[int]:
-        """Text -> ids (no bos/eos added). Raises ValueError naming the first unsupported character."""
+    def encode(self, text: str, *, strict: bool = True) -> list[int]:
+        """Text -> ids (no bos/eos added). Raises ValueError naming the first unsupported character
+        (``strict=False`` drops such characters instead: tool output, model-written text)."""
+        if not strict:
+            return [self._char_to_id[ch] for ch in text if ch in self._char_to_id]
         try:
             return [self._char_to_id[ch] for ch in text]
         except KeyError as exc:
             raise ValueError(f"character {exc.args[0]!r} is not in the char tokenizer's vocabulary "
                              f"(printable ASCII and newline only): {text[:60]!r}") from None
 
-    def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
-        """Ids -> text; special ids render as their names unless ``skip_special``."""
+    def decode(self, ids: list[int], *, skip_special: bool = False, strict: bool = True) -> str:
+        """Ids -> text; special ids render as their names unless ``skip_special``.
+
+        A model's (padded) vocabulary can be larger than this one: with ``strict=False`` ids outside
+        it decode to U+FFFD (never a vocabulary character) instead of raising.
+        """
         out = []
         for i in ids:
             if not 0 <= i < self.vocab_size:
+                if not strict:
+                    out.append("\ufffd")
+                    continue
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
             if i < len(SPECIAL_TOKENS) and skip_special:
                 continue

@@ -56,10 +56,9 @@ class CalculatorEnv(Env):
         start = len(action_ids) - 1 - action_ids[::-1].index(tok.call_id)
         closed = action_ids[-1] == tok.call_end_id
         expr_ids = action_ids[start + 1:len(action_ids) - closed]
-        expr = tok.decode([i for i in expr_ids if i != tok.call_end_id], skip_special=True)
+        expr = tok.decode([i for i in expr_ids if i != tok.call_end_id], skip_special=True, strict=False)
         ok, text = calculator(expr)
-        text = "".join(ch for ch in text if ch.isprintable())
-        obs = ([] if closed else [tok.call_end_id]) + [tok.obs_id] + tok.encode(text) + [tok.obs_end_id]
+        obs = ([] if closed else [tok.call_end_id]) + [tok.obs_id] + tok.encode(text, strict=False) + [tok.obs_end_id]
         return StepResult(observation_ids=obs, done=False, reward=self.tool_call_reward if ok else 0.0,
                           info={"tool_ok": ok})
 
