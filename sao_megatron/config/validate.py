@@ -43,6 +43,9 @@ def check_model(m: ModelConfig) -> list[str]:
                         f"{m.num_moe_experts}")
         if m.moe_ffn_hidden_size is None:
             errs.append("model.moe_ffn_hidden_size must be set when model.num_moe_experts is set")
+        if m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax:
+            errs.append("model.moe_router_topk=1 with the softmax router needs model.moe_router_pre_softmax=true "
+                        "(renormalising a single probability would make every routing weight 1)")
     if isinstance(m.moe_layer_freq, list):
         if len(m.moe_layer_freq) != m.num_layers or set(m.moe_layer_freq) - {0, 1}:
             errs.append(f"model.moe_layer_freq as a list needs num_layers={m.num_layers} entries of 0/1, "
@@ -77,7 +80,8 @@ def check_parallel(m: ModelConfig, p: ParallelConfig, world_size: int | None) ->
     else:
         if m.num_moe_experts % ep:
             errs.append(f"model.num_moe_experts={m.num_moe_experts} is not divisible by "
-                        f"parallel.expert_model_parallel_size={ep}: pick EP dividing the expert count")
+                        f"parallel.expert_model_parallel_size={ep}: pick EP from "
+                        f"{[d for d in range(1, m.num_moe_experts + 1) if m.num_moe_experts % d == 0]}")
         if tp > 1 and not p.sequence_parallel:
             errs.append("MoE with parallel.tensor_model_parallel_size > 1 requires "
                         "parallel.sequence_parallel=true (set --set parallel.sequence_parallel=true)")

@@ -40,7 +40,7 @@ def test_valid_base_config_passes():
      ["model.num_query_groups=4 is not divisible by parallel.tensor_model_parallel_size=8"]),
     ({"parallel": {"expert_model_parallel_size": 3}},
      ["model.num_moe_experts=8 is not divisible by parallel.expert_model_parallel_size=3",
-      "pick EP dividing the expert count"]),
+      "pick EP from [1, 2, 4, 8]"]),
     ({"parallel": {"pipeline_model_parallel_size": 3}},
      ["model.num_layers=4 is not divisible by parallel.pipeline_model_parallel_size=3"]),
     ({"parallel": {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 4}},
@@ -54,6 +54,8 @@ def test_valid_base_config_passes():
                                           "model.num_query_groups=3"]),
     ({"model": {"moe_router_topk": 9}}, ["model.moe_router_topk=9 exceeds model.num_moe_experts=8"]),
     ({"model": {"moe_ffn_hidden_size": None}}, ["model.moe_ffn_hidden_size must be set"]),
+    ({"model": {"moe_router_topk": 1}}, ["model.moe_router_topk=1 with the softmax router needs "
+                                         "model.moe_router_pre_softmax=true"]),
     ({"model": {"moe_layer_freq": [1, 1]}}, ["model.moe_layer_freq as a list needs num_layers=4 entries"]),
     ({"model": {"moe_layer_freq": [1, 2, 1, 1]}}, ["entries of 0/1"]),
     ({"model": {"rotary_percent": 0.0}}, ["model.rotary_percent=0.0 must be in (0, 1]"]),
