@@ -273,9 +273,7 @@ class RolloutClient:
         """
         urls = self.healthy_urls()
         if engine_world_sizes is None:
-            infos = await asyncio.gather(*(self._call(u, "/server_info", method="GET", expect_json=True)
-                                           for u in urls))
-            engine_world_sizes = [int(i.get("tp_size", 1)) for i in infos]
+            engine_world_sizes = await self.engine_world_sizes()
         if len(engine_world_sizes) != len(urls):
             raise ValueError(f"engine_world_sizes has {len(engine_world_sizes)} entries for {len(urls)} engines")
         offsets = [1 + sum(engine_world_sizes[:i]) for i in range(len(urls))]
@@ -288,15 +286,20 @@ class RolloutClient:
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], *, group_name: str = "weight_update_group",
-                                              weight_version: int, flush_cache: bool = True) -> None:
-        """Announce one bucket; the trainer broadcasts the tensors in the same order meanwhile."""
+                                              weight_version: int | None, flush_cache: bool = True) -> None:
+        """Announce one bucket; the trainer broadcasts the tensors in the same order meanwhile.
+
+        Pass ``weight_version`` with the last bucket only (None keeps the engines' version).
+        """
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
-        await self._broadcast("/update_weights_from_distributed", {
-            "names": list(names), "dtypes": list(dtypes), "shapes": [list(map(int, s)) for s in shapes],
-            "group_name": group_name, "flush_cache": flush_cache, "weight_version": str(int(weight_version))},
-            expect_json=True)
-        self.weight_version = int(weight_version)
+        payload = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(map(int, s)) for s in shapes],
+                   "group_name": group_name, "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = str(int(weight_version))
+        await self._broadcast("/update_weights_from_distributed", payload, expect_json=True)
+        if weight_version is not None:
+            self.weight_version = int(weight_version)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         await self._broadcast("/destroy_weights_update_group", {"group_name": group_name}, expect_json=True)
@@ -304,6 +307,16 @@ class RolloutClient:
     async def flush_cache(self) -> None:
         """Flush every engine's prefix cache (SGLang answers 400 while requests are pending)."""
         await self._broadcast("/flush_cache", None)
+
+    async def server_info(self) -> list[dict]:
+        """``/server_info`` of every healthy engine."""
+        replies = await self._broadcast("/server_info", None, method="GET", expect_json=True)
+        return [dict(replies[u], url=u) for u in replies]
+
+    async def engine_world_sizes(self) -> list[int]:
+        """GPUs per healthy engine (``tp_size`` from /server_info), in ``healthy_urls()`` order."""
+        by_url = {i["url"]: int(i.get("tp_size", 1)) for i in await self.server_info()}
+        return [by_url[u] for u in self.healthy_urls()]
 
     async def model_info(self) -> list[dict]:
         """``/model_info`` of every healthy engine (includes ``weight_version``)."""

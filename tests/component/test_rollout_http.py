@@ -210,6 +210,29 @@ def test_api_key_and_small_endpoints(engines):  # noqa: F811
     assert len(asyncio.run(wrong_key())) == 2  # a refused request is not an unhealthy engine
 
 
+def test_disk_weight_sync_push(engines, tiny_dirs, tmp_path):  # noqa: F811
+    from safetensors.torch import load_file
+
+    from sao_megatron.rollout.weight_sync import DiskWeightSync
+
+    recorder = ContractRecorder()
+    sp = SamplingParams(max_new_tokens=6)
+
+    async def run():
+        async with client_for(engines.urls, recorder) as client:
+            sync = DiskWeightSync(client, tmp_path, keep_last=1, max_shard_bytes=50_000)
+            tensors = load_file(tiny_dirs["other"] / "model.safetensors")
+            metrics = await sync.push(tensors.items(), 5, tiny_dirs["base"])
+            versions = {i["weight_version"] for i in await client.model_info()}
+            result = await client.generate([8, 9, 10], sp)
+            await sync.push(load_file(tiny_dirs["base"] / "model.safetensors").items(), 6, tiny_dirs["base"])
+            return metrics, versions, result
+    metrics, versions, r = asyncio.run(run())
+    assert not recorder.errors and recorder.counts["/update_weights_from_disk"] == 4  # 2 pushes x 2 engines
+    assert versions == {"5"} and r.versions == [5] * len(r.output_ids)
+    assert metrics["weight_sync/bytes"] > 0 and [p.name for p in tmp_path.iterdir()] == ["v000006"]
+    assert_close(r.logprobs, hf_reference(tiny_dirs["other"], [8, 9, 10], r.output_ids, sp))
+
 def test_engine_killed_mid_request(engines):  # noqa: F811 - kills an engine: keep this test last in the module
     async def run():
         async with client_for(engines.urls) as client:
