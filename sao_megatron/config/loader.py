@@ -227,7 +227,8 @@ def _coerce(tp: Any, value: Any, where: str, src: Sources) -> Any:
         return items if origin is list else tuple(items)
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{src.at(where)}: '{where}': expected a mapping, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{src.at(where)}: '{where}': expected a mapping, "
+                              f"got {type(value).__name__} {value!r}")
         _, val_tp = typing.get_args(tp) or (Any, Any)
         return {k: _coerce(val_tp, v, f"{where}.{k}", src) for k, v in value.items()}
     return _coerce_scalar(tp, value, where, src)

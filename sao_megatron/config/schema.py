@@ -350,7 +350,7 @@ class ResourcesConfig:
     gpu_mem_gb: float = 80.0
     """Memory per GPU in GiB (H100: 80, H200: 141)."""
     offload_idle_optimizer: bool = False
-    """While one of actor/critic steps, keep the other's fp32 main params, Adam moments and grads in host memory."""
+    """While actor or critic steps, the other's fp32 main params, Adam moments and grads wait in host memory."""
     rollout_nodes: int = 0
     """Nodes that run SGLang servers (0: no GPU engines, e.g. the embedded CPU engine)."""
     rollout_tp_size: int = 1

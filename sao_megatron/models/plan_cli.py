@@ -120,7 +120,8 @@ def print_plan(plan: Any, cfg: Any, config: str) -> None:
         console.print(f"rollout: {r.sequences_per_server} sequences x {cfg.data.max_total_tokens} tokens per "
                       f"server; KV capacity {r.kv_capacity_tokens:,} tokens per server")
     ws = plan.weight_sync
-    console.print(f"weight sync per step: {ws['bytes'] / 1e9:.1f} GB bf16 -> NCCL broadcast ~{ws['nccl_s']:.1f} s, "
+    console.print(f"weight sync per step: {ws['bytes'] / 1e9:.1f} GB bf16 -> NCCL broadcast "
+                  f"~{ws['nccl_s']:.1f} s, "
                   f"via shared disk ~{ws['disk_s']:.0f} s")
     if plan.suggestion is not None:
         console.print(f"smallest trainer layout that fits: {plan.suggestion.describe()}")

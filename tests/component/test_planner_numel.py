@@ -34,7 +34,8 @@ MODELS = {
     "tied_layernorm_every_2nd": ModelConfig(
         num_layers=4, hidden_size=32, ffn_hidden_size=56, num_attention_heads=4, num_query_groups=4,
         kv_channels=None, num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=1,
-        moe_router_pre_softmax=True, moe_layer_freq=2, qk_layernorm=False, normalization="LayerNorm", untie_embeddings_and_output_weights=False,
+        moe_router_pre_softmax=True, moe_layer_freq=2, qk_layernorm=False, normalization="LayerNorm",
+        untie_embeddings_and_output_weights=False,
         vocab_size=129, max_position_embeddings=64),
     "medium_qwen_widths": ModelConfig(
         num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_query_groups=2,
@@ -43,7 +44,8 @@ MODELS = {
 }
 
 MP_LAYOUTS = {
-    "tp2_ep2_sp": ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True),
+    "tp2_ep2_sp": ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                 sequence_parallel=True),
     "pp2_ep2": ParallelConfig(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
     "ep4_etp1_tp2_sp": ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=4,
                                       expert_tensor_parallel_size=1, sequence_parallel=True),
@@ -134,7 +136,8 @@ def test_stage_params_equal_local_numel_on_four_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", __file__, str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for rank in range(4) for line in (tmp_path / f"numel.jsonl.{rank}").read_text().splitlines()]
+    rows = [json.loads(line) for rank in range(4)
+            for line in (tmp_path / f"numel.jsonl.{rank}").read_text().splitlines()]
     assert len(rows) == 4 * len(MP_LAYOUTS) * 2 * 2
     bad = [r for r in rows if r["real"] != r["planned"]]
     assert not bad, json.dumps(bad[:3], indent=1)

@@ -134,7 +134,8 @@ def test_library_never_imports_configs_slurm_tools_or_tests():
             if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in allowed
                     and MODULE_STRING.match(node.value)):
                 bad.append(f"{rel(path)}:{node.lineno} names module {node.value!r}")
-    assert not bad, "the library must not depend on configs/, slurm/, checkpoints_tools/, tests/:\n" + "\n".join(bad)
+    assert not bad, ("the library must not depend on configs/, slurm/, checkpoints_tools/, tests/:\n"
+                     + "\n".join(bad))
 
 
 # ---------------------------------------------------------------- 4. config field docstrings
@@ -183,7 +184,8 @@ def test_every_config_field_has_a_docstring():
 
 
 def test_undocumented_field_detector_catches_a_missing_docstring():
-    cls = ast.parse('class C:\n    a: int = 1\n    """doc"""\n    b: int = 2\n    c: int = 3\n    """doc"""\n').body[0]
+    source = 'class C:\n    a: int = 1\n    """doc"""\n    b: int = 2\n    c: int = 3\n    """doc"""\n'
+    cls = ast.parse(source).body[0]
     assert undocumented_fields(cls) == ["C.b (line 4)"]
 
 

@@ -57,7 +57,8 @@ def hf_tensor_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
             mlps[""] = m.ffn_hidden_size
         for prefix, f in mlps.items():
             q = f"{p}mlp.{prefix + '.' if prefix else ''}"
-            shapes |= {f"{q}gate_proj.weight": (f, h), f"{q}up_proj.weight": (f, h), f"{q}down_proj.weight": (h, f)}
+            shapes |= {f"{q}gate_proj.weight": (f, h), f"{q}up_proj.weight": (f, h),
+                       f"{q}down_proj.weight": (h, f)}
     return shapes
 
 
@@ -193,7 +194,8 @@ def test_weight_sync_estimate():
     cfg = load_config(EXPERIMENTS / "sao-math-qwen3-30b-a3b.yaml")
     ws = P.make_plan(cfg, suggest=False).weight_sync
     assert ws["bytes"] == 2 * reference_total(cfg.model)
-    assert ws["nccl_s"] == pytest.approx(ws["bytes"] / 40e9) and ws["disk_s"] == pytest.approx(2 * ws["bytes"] / 5e9)
+    assert ws["nccl_s"] == pytest.approx(ws["bytes"] / 40e9)
+    assert ws["disk_s"] == pytest.approx(2 * ws["bytes"] / 5e9)
 
 
 # ---------------------------------------------------------------- shipped configs
@@ -247,8 +249,8 @@ def test_impossible_layouts_give_clear_errors():
                                                                     "parallel.expert_tensor_parallel_size=1"],
                       check=False)
     errors = P.make_plan(cfg, suggest=False).errors
-    assert any("tensor_model_parallel_size=16 does not fit in one node of 8 GPUs" in e and "use a divisor of 8" in e
-               for e in errors), errors
+    assert any("tensor_model_parallel_size=16 does not fit in one node of 8 GPUs" in e
+               and "use a divisor of 8" in e for e in errors), errors
 
 
 def test_too_small_micro_batch_and_too_many_dp_ranks():
