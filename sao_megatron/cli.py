@@ -18,6 +18,8 @@ _VERBS: dict[str, str] = {
     "config": "sao_megatron.config.cli",
     "plan": "sao_megatron.models.plan_cli",
     "report": "sao_megatron.training.report",
+    "train": "sao_megatron.training.cli",
+    "sft": "sao_megatron.training.cli",
     "serve-local": "sao_megatron.rollout.engine.cli",
     "convert": "checkpoints_tools.cli",
     "launch": "sao_megatron.launch.cli",
@@ -30,8 +32,9 @@ def build_parser(verbs: list[str] | None = None) -> argparse.ArgumentParser:
         description="Single-rollout Asynchronous Optimization for MoE LLMs on Megatron-core + SGLang.")
     parser.add_argument("--log-level", default="INFO", help="Python logging level (default INFO)")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
-    for verb in verbs or list(_VERBS):
-        importlib.import_module(_VERBS[verb]).add_parser(sub)
+    # A module may register several verbs (train + sft): import each module once.
+    for module in dict.fromkeys(_VERBS[v] for v in (verbs or list(_VERBS))):
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 
@@ -42,12 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser([verb] if verb in _VERBS else None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per HTTP request otherwise
     from sao_megatron.config import ConfigError
+    from sao_megatron.errors import SaoError
 
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"sao-megatron {args.verb}: config error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, SaoError) as exc:
+        logging.getLogger("sao_megatron").debug("traceback", exc_info=True)
+        print(f"sao-megatron {args.verb}: error: {exc}", file=sys.stderr)
         return 2
 
 

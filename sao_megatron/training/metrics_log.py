@@ -21,7 +21,7 @@ CONSOLE_KEYS = (
     ("rollout/staleness_max", "stale", "{:.0f}"),
     ("actor/pg_loss", "pg", "{:+.4f}"),
     ("critic/value_loss", "vf", "{:.4f}"),
-    ("actor/masked_frac_low", "mask_lo", "{:.3f}"),
+    ("actor/dis_masked_low_frac", "mask_lo", "{:.3f}"),
     ("timing/tokens_per_s", "tok/s", "{:.0f}"),
     ("timing/step_s", "step_s", "{:.2f}"),
 )

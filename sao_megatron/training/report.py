@@ -40,7 +40,10 @@ def _moving_average(ys: list[float], window: int) -> list[float]:
 def _staleness_counts(records: list[dict[str, Any]]) -> Counter:
     """Sum per-step histograms ``rollout/staleness_hist`` ({lag: count} or a list indexed by lag)."""
     counts: Counter = Counter()
-    for r in records:
+    prefix = "rollout/staleness_hist/"
+    for r in records:  # the scheduler logs one key per lag: rollout/staleness_hist/<lag>
+        counts.update({int(k[len(prefix):]): int(v) for k, v in r.items()
+                       if k.startswith(prefix) and isinstance(v, (int, float))})
         hist = r.get("rollout/staleness_hist")
         if isinstance(hist, dict):
             counts.update({int(k): int(v) for k, v in hist.items()})
@@ -88,14 +91,14 @@ def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None
     save(fig, "staleness_hist.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key in ("actor/masked_frac_low", "actor/masked_frac_high"):
+    for key in ("actor/dis_masked_low_frac", "actor/dis_masked_high_frac"):
         ax.plot(*_series(records, key), label=key)
     ax.set(xlabel="trainer step", ylabel="fraction of action tokens", title="DIS masked tokens")
     ax.legend()
     save(fig, "masked_fractions.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*_series(records, "critic/explained_variance"))
+    ax.plot(*_series(records, "critic/explained_var"))
     ax.set(xlabel="trainer step", ylabel="explained variance", title="Critic explained variance")
     save(fig, "critic_explained_variance.png")
 

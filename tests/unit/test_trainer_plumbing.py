@@ -98,7 +98,7 @@ def test_report_writes_pngs(tmp_path):
     for step in range(12):
         logger.log(step, {"reward/mean": step / 12, "rollout/staleness_max": step % 3,
                           "rollout/staleness_hist": {"0": 5, "1": step}, "rollout/phase": step // 6,
-                          "actor/masked_frac_low": 0.01, "critic/explained_variance": 0.1})
+                          "actor/dis_masked_low_frac": 0.01, "critic/explained_var": 0.1})
     logger.close()
     paths = write_report(tmp_path)
     names = {p.name for p in paths}

@@ -1,0 +1,78 @@
+"""Small rank-0-centred collectives of the trainer (objects, status, metrics)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from sao_megatron.errors import SaoError
+
+T = TypeVar("T")
+
+
+class RemoteRankError(SaoError):
+    """Raised on the other ranks when rank 0 failed; carries rank 0's message."""
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def rank0_call(fn: Callable[[], T], *, others: Callable[[], None] | None = None) -> T | None:
+    """Run ``fn`` on rank 0 (``others`` elsewhere, e.g. their side of a collective), then share
+    success or failure, so a bad input seen by rank 0 stops every rank at once instead of
+    leaving them blocked in the next collective until the timeout."""
+    result, error = None, None
+    try:
+        if dist.get_rank() == 0:
+            result = fn()
+        elif others is not None:
+            others()
+    except Exception as exc:  # shared below, then re-raised
+        error = exc
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    first = next((e for e in errors if e), None)
+    if first:
+        raise RemoteRankError(f"another rank failed: {first}")
+    return result
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is True on any rank."""
+    box = [None] * dist.get_world_size()
+    dist.all_gather_object(box, bool(flag))
+    return any(box)
+
+
+def gather_metrics(local: dict[str, float], weight: float) -> dict[str, float]:
+    """Combine per-rank metrics on rank 0: weighted mean, except keys ending in ``max``/``min``
+    (max/min) and ``_sum``/``count``/``num_action_tokens`` (sum). Ranks that hold no metrics pass ``{}`` (e.g. non-last pipeline stages)."""
+    box: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(box, (local, weight))
+    if dist.get_rank() != 0:
+        return {}
+    out: dict[str, float] = {}
+    keys = {k for m, _ in box for k in m}
+    for key in sorted(keys):
+        vals = [(m[key], w) for m, w in box if key in m and isinstance(m[key], (int, float))]
+        if not vals:
+            continue
+        if key.endswith("max"):
+            out[key] = max(v for v, _ in vals)
+        elif key.endswith("min"):
+            out[key] = min(v for v, _ in vals)
+        elif key.endswith(("_sum", "count", "num_action_tokens")):
+            out[key] = sum(v for v, _ in vals)
+        else:
+            total = sum(w for _, w in vals)
+            out[key] = sum(v * w for v, w in vals) / total if total > 0 else math.nan
+    return out

@@ -1,0 +1,52 @@
+"""Actor and critic as trained objects: model chunks + DDP + optimizer + LR schedule."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sao_megatron.config import CriticConfig, ModelConfig, OptimizerConfig
+from sao_megatron.models.builder import build_model_chunks, count_parameters
+from sao_megatron.models.critic import freeze_for_critic, init_critic_from_actor
+from sao_megatron.training.optim import setup_optimizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainedModel:
+    """One trained Megatron model on this rank."""
+
+    chunks: list[torch.nn.Module]
+    """Model chunks (one, or one per virtual pipeline stage) — export and checkpoints use these."""
+    ddp: list[Any]
+    """The same chunks wrapped in Megatron DDP — training steps use these."""
+    optimizer: Any
+    """Megatron optimizer (plain or distributed)."""
+    scheduler: Any
+    """OptimizerParamScheduler (LR warm-up/decay)."""
+    param_counts: dict[str, int]
+    """Local parameter counts: total, trainable, frozen (and per group for the critic)."""
+
+
+def build_actor(model: ModelConfig, opt: OptimizerConfig, ctx, *, total_steps: int) -> TrainedModel:
+    chunks = build_model_chunks(model, ctx)
+    counts = count_parameters(chunks)
+    ddp, optimizer, scheduler = setup_optimizer(chunks, opt, ctx, total_steps=total_steps)
+    return TrainedModel(chunks=chunks, ddp=ddp, optimizer=optimizer, scheduler=scheduler, param_counts=counts)
+
+
+def build_critic(model: ModelConfig, critic: CriticConfig, ctx, actor_chunks, *, total_steps: int) -> TrainedModel:
+    """Critic = actor trunk + value head, initialised from the actor, frozen per ``critic.trainable``."""
+    chunks = build_model_chunks(model, ctx, value_head=True)
+    if critic.init_from == "actor":
+        init_critic_from_actor(chunks, actor_chunks)
+    counts = freeze_for_critic(chunks, critic.trainable)  # before DDP: frozen params get no grad/optim state
+    counts |= {k: v for k, v in count_parameters(chunks).items() if k == "total"}
+    # The critic takes K optimizer steps per actor step (and value pretraining steps).
+    steps = total_steps * critic.num_updates_per_step + critic.pretrain_steps * critic.num_updates_per_step
+    ddp, optimizer, scheduler = setup_optimizer(chunks, critic.optimizer, ctx, total_steps=steps)
+    return TrainedModel(chunks=chunks, ddp=ddp, optimizer=optimizer, scheduler=scheduler, param_counts=counts)

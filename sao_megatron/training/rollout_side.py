@@ -1,0 +1,209 @@
+"""The trainer's rank-0 view of rollouts: engines, router, client, scheduler, weight pushes.
+
+On CPU (``rollout.engine=embedded``) it starts the embedded engines itself
+from an HF directory exported from the actor; with ``rollout.engine=sglang`` it
+talks to already running SGLang servers (``engine_urls``) through their router.
+The asyncio side runs on an :class:`AsyncBridge` thread so generation and
+reward computation continue while the actor trains.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import shutil
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from sao_megatron.config import DataConfig, ModelConfig, RolloutConfig, SchedulerConfig
+from sao_megatron.envs import build_reward_schedule
+from sao_megatron.errors import SaoError
+from sao_megatron.envs.base import Task
+from sao_megatron.models.families import hf_config_from_model
+from sao_megatron.rollout.client import RolloutClient
+from sao_megatron.rollout.launch import LocalEngines, SGLangRouterProcess
+from sao_megatron.rollout.weight_sync import write_hf_safetensors
+from sao_megatron.scheduler.sample import Sample
+from sao_megatron.scheduler.scheduler import AsyncScheduler
+from sao_megatron.training.async_bridge import AsyncBridge
+
+log = logging.getLogger(__name__)
+KEEP_WEIGHT_VERSIONS = 2
+
+
+class EngineStartError(SaoError):
+    """The rollout engines could not be reached or started; nothing was trained."""
+
+
+def write_hf_template(model_cfg: ModelConfig, task: Task, out_dir: pathlib.Path) -> pathlib.Path:
+    """config.json (+ tokenizer files) that make an exported weight dir a loadable HF model."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf = hf_config_from_model(model_cfg)
+    tok = getattr(task, "tokenizer", None)
+    if tok is not None:
+        hf.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+        tok.save_hf_tokenizer(out_dir)
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
+    return out_dir
+
+
+def check_reachable(rollout: RolloutConfig, timeout_s: float = 10.0) -> None:
+    """Fail fast (before any training) when configured SGLang servers or router do not answer /health."""
+    import httpx
+
+    if rollout.engine != "sglang":
+        return
+    if not rollout.engine_urls:
+        raise EngineStartError("rollout.engine=sglang needs rollout.engine_urls (one URL per SGLang server)")
+    headers = {"Authorization": f"Bearer {rollout.api_key}"} if rollout.api_key else {}
+    for url in [*rollout.engine_urls, *([rollout.router_url] if rollout.router_url else [])]:
+        try:
+            reply = httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s, headers=headers)
+        except httpx.HTTPError as exc:
+            raise EngineStartError(f"rollout engine {url} is unreachable ({type(exc).__name__}: {exc}); start "
+                                   "the SGLang servers first or fix rollout.engine_urls / rollout.router_url") from exc
+        if reply.status_code != 200:
+            raise EngineStartError(f"rollout engine {url} answered /health with HTTP {reply.status_code}: "
+                                   f"{reply.text[:200]}")
+
+
+class RolloutSide:
+    """Owns engines, client and scheduler on trainer rank 0."""
+
+    def __init__(self, *, rollout: RolloutConfig, scheduler: SchedulerConfig, data: DataConfig, task: Task,
+                 group_size: int, run_dir: pathlib.Path, template_dir: pathlib.Path):
+        self.cfg, self.sched_cfg, self.data_cfg, self.task = rollout, scheduler, data, task
+        self.group_size = group_size
+        self.run_dir, self.template_dir = run_dir, template_dir
+        self.weights_root = run_dir / "weights"
+        self.bridge = AsyncBridge()
+        self.engines: LocalEngines | None = None
+        self.router: SGLangRouterProcess | None = None
+        self.client: RolloutClient | None = None
+        self.scheduler: AsyncScheduler | None = None
+        self.sync_seconds = self.sync_bytes = 0.0
+
+    # ------------------------------------------------------------------ start / stop
+    def start(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+              scheduler_state: dict[str, Any] | None) -> None:
+        """Write weights ``version``, start (or reach) engines, then start generating."""
+        model_dir = self._write_weights(named_tensors, version)
+        urls = self._start_engines(model_dir, version)
+        router_url = self._start_router(urls)
+        self.client = RolloutClient(urls, router_url=router_url, api_key=self.cfg.api_key,
+                                    timeout_s=self.cfg.request_timeout_s)
+        health = self.bridge.run(self.client.health(), timeout=60)
+        dead = [u for u, ok in health.items() if not ok]
+        if dead:
+            raise EngineStartError(f"rollout engines not healthy: {dead}. Check that the servers are up "
+                                   f"(rollout.engine_urls) or the engine logs under {self.run_dir / 'logs'}")
+        self.scheduler = AsyncScheduler.from_config(
+            self.client, self.task, self.sched_cfg, self.data_cfg, self.cfg, group_size=self.group_size,
+            version=version, schedule=build_reward_schedule(self.data_cfg))
+        if scheduler_state is not None:
+            self.scheduler.load_state_dict(scheduler_state)
+        self.bridge.run(self.scheduler.start())
+
+    def _start_engines(self, model_dir: pathlib.Path, version: int) -> list[str]:
+        if self.cfg.engine == "sglang":
+            if not self.cfg.engine_urls:
+                raise EngineStartError("rollout.engine=sglang needs rollout.engine_urls (one URL per SGLang server)")
+            return list(self.cfg.engine_urls)
+        self.engines = LocalEngines(model_dir, self.cfg.num_engines, api_key=self.cfg.api_key,
+                                    extra_args=["--weight-version", str(version), "--skip-tokenizer-init"],
+                                    log_dir=self.run_dir / "logs")
+        try:
+            self.engines.start()
+        except Exception as exc:
+            raise EngineStartError(f"embedded engines failed to start: {exc}") from exc
+        return list(self.engines.urls)
+
+    def _start_router(self, urls: list[str]) -> str | None:
+        if self.cfg.router != "sglang_router":
+            return None
+        if self.cfg.router_url:
+            return self.cfg.router_url
+        self.router = SGLangRouterProcess(urls, api_key=self.cfg.api_key, tokenizer_path=str(self.template_dir),
+                                          log_dir=self.run_dir / "logs")
+        self.router.start()
+        return self.router.url
+
+    def close(self) -> None:
+        try:
+            if self.scheduler is not None:
+                self.bridge.run(self.scheduler.stop(), timeout=60)
+            if self.client is not None:
+                self.bridge.run(self.client.aclose(), timeout=30)
+        except Exception as exc:  # shutting down: report, keep closing
+            log.warning("rollout shutdown: %s", exc)
+        finally:
+            if self.router is not None:
+                self.router.stop()
+            if self.engines is not None:
+                self.engines.stop()
+            self.bridge.close()
+
+    # ------------------------------------------------------------------ data and weights
+    def next_batch(self, batch_size: int) -> list[Sample]:
+        assert self.scheduler is not None
+        return self.bridge.run(self.scheduler.next_batch(batch_size))
+
+    def set_version(self, version: int) -> None:
+        assert self.scheduler is not None
+        self.bridge.loop.call_soon_threadsafe(self.scheduler.set_version, version)
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Write the new weights while engines keep generating, then pause → load → continue."""
+        assert self.scheduler is not None and self.client is not None
+        t0 = time.perf_counter()
+        model_dir = self._write_weights(named_tensors, version)
+        t1 = time.perf_counter()
+
+        async def update() -> None:
+            await self.client.update_weights_from_disk(str(model_dir), weight_version=version)
+
+        self.bridge.run(self.scheduler.on_weights_updated(version, update))
+        t2 = time.perf_counter()
+        self._prune_weights(version)
+        return {"timing/weight_write_s": t1 - t0, "timing/weight_update_s": t2 - t1,
+                "rollout/weight_sync_bytes": float(self.sync_bytes)}
+
+    def _write_weights(self, named_tensors, version: int) -> pathlib.Path:
+        out = self.weights_root / f"v{version:06d}"
+        counted = _CountingIter(named_tensors)
+        write_hf_safetensors(counted, out, template_dir=self.template_dir)
+        self.sync_bytes = counted.nbytes
+        return out
+
+    def _prune_weights(self, version: int) -> None:
+        for path in sorted(self.weights_root.glob("v*")):
+            if path.name < f"v{version - KEEP_WEIGHT_VERSIONS + 1:06d}":
+                shutil.rmtree(path, ignore_errors=True)
+
+    def metrics(self) -> dict[str, float]:
+        assert self.scheduler is not None
+        return self.bridge.run(_call(self.scheduler.metrics))
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.scheduler is not None
+        return self.bridge.run(_call(self.scheduler.state_dict))
+
+
+class _CountingIter:
+    """Pass (name, tensor) pairs through, counting bytes (weight-sync volume per step)."""
+
+    def __init__(self, pairs):
+        self.pairs, self.nbytes = pairs, 0
+
+    def __iter__(self):
+        for name, tensor in self.pairs:
+            self.nbytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
+async def _call(fn):
+    return fn()

@@ -1,0 +1,129 @@
+"""End to end: the real trainer (Megatron actor + critic on gloo), real embedded engines over HTTP.
+
+Small step counts keep this within the CI budget; the reward-learning run itself is the main
+job (`make run`) and is measured in the README, not asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "experiments" / "tiny_cpu.yaml"
+SMALL = ["run.num_steps=4", "run.sft_steps=2", "run.sft_batch_size=16", "scheduler.batch_size=8",
+         "scheduler.concurrency=16", "critic.pretrain_steps=1", "checkpoint.save_interval=2",
+         "logging.log_interval=1", "data.num_prompts=400"]
+
+pytestmark = pytest.mark.e2e
+
+
+def train_cmd(run_dir, *overrides, resume="auto"):
+    sets = [a for o in [*SMALL, *overrides] for a in ("--set", o)]
+    return [sys.executable, "-m", "sao_megatron.cli", "train", "--config", str(CONFIG), "--run-dir", str(run_dir),
+            "--resume", resume, *sets]
+
+
+def run_train(run_dir, *overrides, timeout=600):
+    proc = subprocess.run(train_cmd(run_dir, *overrides), cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def read_jsonl(path):
+    return [json.loads(x) for x in pathlib.Path(path).read_text().splitlines() if x.strip()]
+
+
+def metrics_by_step(run_dir):
+    by = {}
+    for rec in read_jsonl(run_dir / "metrics.jsonl"):
+        by[rec["step"]] = rec
+    return [by[k] for k in sorted(by)]
+
+
+def audit_unique(run_dir):
+    recs = read_jsonl(run_dir / "audit.jsonl")
+    keys = [(r["epoch"], r["index"]) for r in recs]
+    assert len(keys) == len(set(keys)), "a prompt was trained twice"
+    return recs
+
+
+def test_sao_steps_version_bookkeeping_staleness_and_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    run_train(run_dir)
+    metrics = metrics_by_step(run_dir)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert [m["version"] for m in metrics] == [1, 2, 3, 4]  # one weight update per step
+    for m in metrics:
+        assert all(isinstance(m[k], float) for k in ("actor/loss", "critic/loss", "reward/mean"))
+        assert m["rollout/staleness_max"] <= 1 and m["actor/update_applied"] == 1.0
+        assert m["rollout/weight_sync_bytes"] > 0
+    recs = audit_unique(run_dir)
+    rl = [r for r in recs if r["phase"] == "rl"]
+    assert len(rl) == 4 * 8 and len([r for r in recs if r["phase"] == "value_pretrain"]) == 8
+    for r in rl:  # staleness audit against max_staleness = 1, with the trainer's version at consumption
+        assert r["oldest_version"] is not None and r["version"] - r["oldest_version"] <= 1
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert ckpts == ["step_00000002", "step_00000004"]
+    state = json.loads((run_dir / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
+    assert state["version"] == 4 and state["scheduler"]["version"] == 4
+    assert (run_dir / "config.yaml").is_file()
+
+
+def test_grpo_baseline_runs(tmp_path):
+    run_dir = tmp_path / "grpo"
+    run_train(run_dir, "algorithm.name=grpo", "scheduler.mode=group", "algorithm.group_size=4",
+              "critic.enabled=false", "run.num_steps=2")
+    metrics = metrics_by_step(run_dir)
+    assert len(metrics) == 2 and all(m["actor/update_applied"] == 1.0 for m in metrics)
+    assert "critic/loss" not in metrics[0]
+    groups = {}
+    for r in read_jsonl(run_dir / "audit.jsonl"):
+        groups.setdefault((r["step"], r["group_id"]), set()).add(r["index"])
+    assert all(len(idx) == 1 for idx in groups.values())  # a group = G rollouts of one prompt
+    assert sorted({len([1 for r in read_jsonl(run_dir / "audit.jsonl") if r["group_id"] == g[1]])
+                   for g in groups}) == [4]
+
+
+def test_kill_and_resume_trains_every_prompt_once(tmp_path):
+    run_dir = tmp_path / "killed"
+    overrides = ["run.num_steps=6", "checkpoint.save_interval=2"]
+    proc = subprocess.Popen(train_cmd(run_dir, *overrides), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 400
+    try:
+        # Kill hard once the first checkpoint exists and a later step has been logged.
+        while time.time() < deadline:
+            done = (run_dir / "checkpoints" / "step_00000002").is_dir()
+            steps = len(read_jsonl(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").exists() else 0
+            if done and steps >= 3:
+                break
+            assert proc.poll() is None, "training ended before it could be killed"
+            time.sleep(0.5)
+        else:
+            pytest.fail("no checkpoint within the deadline")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    run_train(run_dir, *overrides)
+    recs = audit_unique(run_dir)
+    rl = [r for r in recs if r["phase"] == "rl"]
+    assert sorted({r["step"] for r in rl}) == list(range(6)) and len(rl) == 6 * 8
+    assert [m["version"] for m in metrics_by_step(run_dir)] == list(range(1, 7))
+
+
+def test_unreachable_engine_fails_before_training(tmp_path):
+    run_dir = tmp_path / "noengine"
+    proc = subprocess.run(train_cmd(run_dir, "rollout.engine=sglang", "rollout.engine_urls=[http://127.0.0.1:9]",
+                                    "run.sft_steps=0"), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "127.0.0.1:9" in proc.stderr and "Traceback" not in proc.stderr.splitlines()[-1]
+    assert not (run_dir / "metrics.jsonl").exists()
