@@ -147,13 +147,27 @@ def is_dataclass_decorator(dec: ast.expr) -> bool:
     return name in {"dataclass", "cfg"}
 
 
+def is_component_config_form(dec: ast.expr) -> bool:
+    """``@cfg`` or ``@dataclass(kw_only=True, slots=True, ...)``: STYLE's component-config form."""
+    if isinstance(dec, ast.Name):
+        return dec.id == "cfg"
+    if not (isinstance(dec, ast.Call) and is_dataclass_decorator(dec)):
+        return False
+    flags = {k.arg for k in dec.keywords if isinstance(k.value, ast.Constant) and k.value.value is True}
+    return {"kw_only", "slots"} <= flags
+
+
 def config_classes() -> list[tuple[pathlib.Path, ast.ClassDef]]:
-    """Dataclasses in sao_megatron/config/ plus every dataclass named *Config elsewhere in the library."""
+    """Dataclasses in sao_megatron/config/, dataclasses named *Config, and every class in the
+    component-config form (``@cfg`` / kw_only + slots dataclass) anywhere in the library."""
     out = []
     for path in lib_files():
         for node in ast.walk(parse(path)):
-            if (isinstance(node, ast.ClassDef) and any(is_dataclass_decorator(d) for d in node.decorator_list)
-                    and (path.parent == LIB / "config" or node.name.endswith("Config"))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            decs = node.decorator_list
+            if (any(is_component_config_form(d) for d in decs) or (any(is_dataclass_decorator(d) for d in decs)
+                    and (path.parent == LIB / "config" or node.name.endswith("Config")))):
                 out.append((path, node))
     return out
 
