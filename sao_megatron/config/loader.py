@@ -2,9 +2,12 @@
 
 YAML only serialises: every key must be a field of the target dataclass and
 every value must have the field's type, otherwise a ValueError names the key
-path and the file. A mapping may carry ``_base_: other.yaml`` (relative to the
-file) which is loaded first and deep-merged under it; ``--set a.b=c``
-overrides are applied on top of the merged mapping before type checking.
+path and the file the key came from (a base file, or the ``--set`` that set it).
+A mapping at any depth may carry ``_base_: other.yaml`` or a list of files
+(relative to the including file), loaded first and deep-merged under it: later
+bases win over earlier ones, the mapping's own keys over all bases. ``--set
+a.b=c`` overrides are applied on top of the merged mapping before type checking.
+A section given partially keeps its field's defaults for the keys it omits.
 """
 
 from __future__ import annotations

@@ -171,6 +171,14 @@ def test_base_inside_a_section(tmp_path):
     assert (opt.lr, opt.weight_decay) == (2e-6, 0.1)
 
 
+def test_error_in_a_section_base_names_that_file_and_the_full_key(tmp_path):
+    opt = write(tmp_path / "opt.yaml", "lr: 1.0e-6\nbeta1: 0.9\n")
+    top = write(tmp_path / "e.yaml", "actor:\n  optimizer: {_base_: opt.yaml}\n")
+    msg = error_of(top)
+    assert msg.startswith(f"{opt} (included from {top})") and "'actor.optimizer.beta1'" in msg
+    assert "Did you mean 'adam_beta1'" in msg
+
+
 def test_diamond_include_is_not_a_cycle(tmp_path):
     write(tmp_path / "d.yaml", "run: {seed: 4}\n")
     write(tmp_path / "b.yaml", "_base_: d.yaml\n")
