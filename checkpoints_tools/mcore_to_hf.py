@@ -55,7 +55,7 @@ def check_template(model_cfg: ModelConfig, hf_template: pathlib.Path) -> None:
 
 def convert_mcore_to_hf(mcore_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *,
                         hf_template: str | pathlib.Path | None = None, tp: int = 1, pp: int = 1, ep: int = 1,
-                        dtype: str | None = None, max_shard_bytes: int = 5 << 30, bucket_mb: int = 512,
+                        dtype: str | None = None, max_shard_bytes: int = 5 << 30, bucket_bytes: int = 512 << 20,
                         overwrite: bool = False, progress: bool = True) -> pathlib.Path:
     """Export; returns the HF directory. Run under torchrun when tp*pp*ep > 1."""
     import torch.distributed as dist
@@ -73,7 +73,7 @@ def convert_mcore_to_hf(mcore_dir: str | pathlib.Path, out_dir: str | pathlib.Pa
     from sao_megatron.training.export import ExportPlan, iter_hf_tensors
 
     family = get_family(model_cfg.family)
-    plan = ExportPlan(chunks, family.weight_map(model_cfg), bucket_bytes=bucket_mb << 20)
+    plan = ExportPlan(chunks, family.weight_map(model_cfg), bucket_bytes=bucket_bytes)
     with common.atomic_output_dir(out, rank=ctx.rank, barrier=dist.barrier) as tmp:
         stream = iter_hf_tensors(plan, receivers="rank0")
         if ctx.rank == 0:

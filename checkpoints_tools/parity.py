@@ -62,7 +62,7 @@ def megatron_logits(chunks: list[torch.nn.Module], ctx, tokens_bs: torch.Tensor,
     if ctx.is_last_stage:
         parts = [torch.empty_like(out) for _ in range(ctx.tp_size)]
         dist.all_gather(parts, out.contiguous(), group=ctx.tp_group)
-        logits = torch.cat(parts, dim=-1)[..., :vocab_size].float().cpu()
+        logits = torch.cat(parts, dim=-1)[..., :vocab_size].float().contiguous().cpu()
     return _to_rank0(logits, ctx, (b, s, vocab_size))
 
 

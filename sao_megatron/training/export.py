@@ -101,7 +101,11 @@ def _split(items: list[ExportItem], bucket_bytes: int) -> list[list[ExportItem]]
 @torch.no_grad()
 def iter_hf_buckets(plan: ExportPlan, *, receivers: Literal["rank0", "all"] = "rank0",
                     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield buckets of (hf_name, full tensor) on the receivers; collective over the whole world."""
+    """Yield buckets of (hf_name, full tensor) on the receivers; collective over the whole world.
+
+    Tensors are in the model's dtype and on its device, and may be views of live parameters
+    (when the receiver owns them unsharded): copy them before the next optimizer step if kept.
+    """
     for bucket in plan.buckets:
         full = _assemble(plan, bucket)
         full = _ship(plan, bucket, full, receivers)

@@ -127,17 +127,18 @@ class WeightMap:
         self.by_mcore = {e.mcore: e for e in self.entries}
 
     def _instantiate(self) -> Iterator[Entry]:
+        """Embedding, then layer by layer (experts in id order), then final norm and LM head."""
         sym = shape_symbols(self.cfg)
-        layers: list[int | None] = [None, *range(self.cfg.num_layers)]
-        order = {"embedding": 0, "decoder.layers": 1, "decoder.final": 2, "output_layer": 3}
-        rules = sorted(self.rules, key=lambda r: next(v for k, v in order.items() if r.mcore.startswith(k)))
-        for layer in layers:
+        first = [r for r in self.rules if r.mcore.startswith("embedding.")]
+        layer_rules = [r for r in self.rules if "{L}" in r.mcore]
+        last = [r for r in self.rules if r not in first and r not in layer_rules]
+        steps = [(None, first), *((layer, layer_rules) for layer in range(self.cfg.num_layers)), (None, last)]
+        for layer, rules in steps:
             conds = layer_conditions(self.cfg, layer)
             for r in rules:
-                if ("{L}" in r.mcore) != (layer is not None) or not r.when <= conds:
+                if not r.when <= conds:
                     continue
-                experts = range(sym["E"]) if "{E}" in r.mcore else [None]
-                for e in experts:
+                for e in (range(sym["E"]) if "{E}" in r.mcore else [None]):
                     fmt = {"L": layer, "E": e}
                     yield Entry(r.mcore.format(**fmt), tuple(h.format(**fmt) for h in r.hf),
                                 tuple(tuple(_eval_dim(d, sym) for d in s) for s in r.hf_shapes),
