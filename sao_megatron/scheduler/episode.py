@@ -86,6 +86,12 @@ class EpisodeRunner:
         self.return_routed_experts = return_routed_experts
         self.max_engine_retries, self.retry_backoff_s = max_engine_retries, retry_backoff_s
         self._env_pool = concurrent.futures.ThreadPoolExecutor(env_threads, thread_name_prefix="env")
+        self._aborts: set[asyncio.Future] = set()
+
+    async def drain_aborts(self, timeout_s: float = 5.0) -> None:
+        """Wait for the engine aborts of cancelled requests to go out."""
+        if self._aborts:
+            await asyncio.wait(set(self._aborts), timeout=timeout_s)
 
     def close(self) -> None:
         self._env_pool.shutdown(wait=False, cancel_futures=True)
@@ -171,7 +177,9 @@ class EpisodeRunner:
                 raise EngineUnavailable(str(exc), url=exc.url) from exc
             raise EpisodeFailed(f"engine rejected episode {ep.uid}: {exc}") from exc
         except asyncio.CancelledError:
-            asyncio.ensure_future(self._abort_quietly(ep.rid))  # free the engine's slot
+            task = asyncio.ensure_future(self._abort_quietly(ep.rid))  # free the engine's slot
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
             raise
         finally:
             ep.generating = False

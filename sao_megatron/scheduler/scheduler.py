@@ -130,7 +130,7 @@ class AsyncScheduler:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.sleep(0)  # let the fire-and-forget aborts go out
+        await self.runner.drain_aborts()
         self.runner.close()
         if self._own_pool:
             self.reward_pool.close()
