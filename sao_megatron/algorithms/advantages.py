@@ -100,6 +100,8 @@ def _check_gae_inputs(rewards, values, action_mask, gamma, lam) -> None:
     for name, val in (("gamma", gamma), ("lam", lam)):
         if not 0.0 <= float(val) <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {val}")
+    if rewards.shape[1] >= 1 << 24:  # action slots are counted with a float32 cumsum (exact below 2**24)
+        raise ValueError(f"gae supports T < 2**24 tokens per row, got T={rewards.shape[1]}")
 
 
 def _compact_block(rewards, values, maskf):
