@@ -149,7 +149,9 @@ def _parse(reply: Any, rid: str, engine_url: str, latency_s: float,
         if "routed_experts" not in meta:
             raise ValueError("routed_experts was requested but is missing (server started without "
                              "--enable-return-routed-experts?)")
-        routed = decode_routed_experts(meta["routed_experts"], prompt_tokens + len(output_ids) - 1, layout)
+        # SGLang: one row per token fed through the model, prompt + completion - 1 (none without output).
+        rows = prompt_tokens + len(output_ids) - 1 if output_ids else 0
+        routed = decode_routed_experts(meta["routed_experts"], rows, layout)
     return GenerateResult(
         rid=rid, output_ids=output_ids, logprobs=_logprobs(meta, output_ids),
         versions=versions_from_spans(meta.get("weight_versions", []), len(output_ids)),

@@ -210,6 +210,15 @@ def test_api_key_and_small_endpoints(engines):  # noqa: F811
     assert len(asyncio.run(wrong_key())) == 2  # a refused request is not an unhealthy engine
 
 
+def test_hf_parity_gate(engines, tiny_dirs):  # noqa: F811
+    """The documented first parity gate: engine log-probs vs HF transformers, fp32 CPU."""
+    from sao_megatron.rollout.parity import hf_parity
+
+    prompts = [[3, 4, 5], [6], [7, 8, 9, 10, 11], [12, 13]]
+    report = hf_parity(tiny_dirs["base"], prompts, SamplingParams(max_new_tokens=16, temperature=0.9),
+                       engine_urls=engines.urls, api_key=API_KEY)
+    assert report["parity/num_tokens"] >= 4 and report["parity/max_abs"] < 1e-5, report
+
 def test_disk_weight_sync_push(engines, tiny_dirs, tmp_path):  # noqa: F811
     from safetensors.torch import load_file
 

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     from sao_megatron.rollout.engine.core import EngineCore
     from sao_megatron.rollout.engine.model import ModelRunner
-    from sao_megatron.rollout.engine.server import create_app
+    from sao_megatron.rollout.engine.server import EngineServer
 
     if args.max_running_requests < 1:
         raise ValueError("--max-running-requests must be >= 1")
@@ -46,15 +46,14 @@ def run(args: argparse.Namespace) -> int:
     core = EngineCore(runner, weight_version=args.weight_version, max_running=args.max_running_requests,
                       seed=args.seed, logprob_mode=args.logprob_mode)
     core.start()
-    app = create_app(core, api_key=args.api_key, host=args.host, port=args.port,
-                     enable_routed_experts=args.enable_return_routed_experts,
-                     served_model_name=args.served_model_name)
     # Bind first (port 0 = a free port chosen by the OS, no race), then report it.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     port = sock.getsockname()[1]
-    app.state.set_port(port)
+    app = EngineServer(core, api_key=args.api_key, host=args.host, port=port,
+                       enable_routed_experts=args.enable_return_routed_experts,
+                       served_model_name=args.served_model_name).app()
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(str(port))

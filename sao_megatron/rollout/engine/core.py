@@ -128,9 +128,9 @@ class EngineCore:
             try:
                 result = fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-                loop.call_soon_threadsafe(_settle, fut, None, exc)
+                loop.call_soon_threadsafe(settle_future, fut, None, exc)
             else:
-                loop.call_soon_threadsafe(_settle, fut, result, None)
+                loop.call_soon_threadsafe(settle_future, fut, result, None)
         if not self.alive():
             raise RuntimeError(f"engine thread is not running: {self.error!r}")
         self.post(run)
@@ -265,7 +265,8 @@ class EngineCore:
         return len(self.running) + len(self.waiting)
 
 
-def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+def settle_future(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    """Resolve ``fut`` unless it was cancelled meanwhile (call on its loop: ``call_soon_threadsafe``)."""
     if fut.done():
         return
     if exc is not None:
