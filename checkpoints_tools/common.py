@@ -109,14 +109,6 @@ def read_model_config(ckpt_dir: str | pathlib.Path) -> ModelConfig:
     return from_dict(ModelConfig, yaml.safe_load(path.read_text()), source=str(path))
 
 
-def same_architecture(a: ModelConfig, b: ModelConfig) -> list[str]:
-    """Fields (other than dtype/run-time ones) on which two model configs disagree."""
-    ignore = {"params_dtype", "max_position_embeddings", "hf_dir", "init_method_std", "moe_aux_loss_coeff",
-              "moe_token_dispatcher_type", "moe_router_dtype"}
-    da, db = to_dict(a), to_dict(b)
-    return [f"{k}: {da[k]!r} vs {db[k]!r}" for k in da if k not in ignore and da[k] != db[k]]
-
-
 def save_megatron(ckpt_dir: pathlib.Path, chunks: list) -> None:
     """Write the model chunks as a Megatron distributed checkpoint (collective)."""
     from sao_megatron.training import checkpoint

@@ -45,9 +45,9 @@ def output_dtype(model_cfg: ModelConfig, hf_template: pathlib.Path | None, dtype
 
 
 def check_template(model_cfg: ModelConfig, hf_template: pathlib.Path) -> None:
-    from sao_megatron.models.families import model_config_from_hf
+    from sao_megatron.models.families import architecture_diff, model_config_from_hf
 
-    diffs = common.same_architecture(model_cfg, model_config_from_hf(hf_template))
+    diffs = architecture_diff(model_cfg, model_config_from_hf(hf_template))
     if diffs:
         raise ConversionError(f"{hf_template}/config.json does not describe the checkpoint's model: "
                               f"{'; '.join(diffs[:3])}")
@@ -70,25 +70,13 @@ def convert_mcore_to_hf(mcore_dir: str | pathlib.Path, out_dir: str | pathlib.Pa
     common.check_launch(tp, pp, ep)
     ctx, chunks = common.bootstrap(model_cfg, tp, pp, ep)
     common.load_megatron(mcore_dir, chunks)
-    from sao_megatron.training.export import ExportPlan, iter_hf_tensors
+    from sao_megatron.training.export import ExportPlan, write_hf_weights
 
-    family = get_family(model_cfg.family)
-    plan = ExportPlan(chunks, family.weight_map(model_cfg), bucket_bytes=bucket_bytes)
+    plan = ExportPlan(chunks, get_family(model_cfg.family).weight_map(model_cfg), bucket_bytes=bucket_bytes)
     with common.atomic_output_dir(out, rank=ctx.rank, barrier=dist.barrier) as tmp:
-        stream = iter_hf_tensors(plan, receivers="rank0")
+        write_hf_weights(plan, tmp, dtype=out_dtype, max_shard_bytes=max_shard_bytes, progress=progress)
         if ctx.rank == 0:
-            from tqdm import tqdm
-
-            from sao_megatron.models.families.hf_files import write_sharded
-
-            stream = tqdm(stream, total=len(plan.wmap.hf_names()), desc="megatron -> hf",
-                          unit="tensor", disable=not progress)
-            write_sharded(stream, tmp, max_shard_bytes=max_shard_bytes,
-                          dtype_of=lambda name: torch.float32 if family.is_fp32(name) else out_dtype)
             _write_side_files(tmp, model_cfg, template)
-        else:
-            for _ in stream:  # non-receivers still take part in every collective
-                pass
     return out
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sao_megatron.models.families import ConversionError, Family
+from sao_megatron.models.families import ConversionError, Family, architecture_diff
 
 from checkpoints_tools import common
 
@@ -119,7 +119,7 @@ def run_check(hf_dir: str | pathlib.Path, mcore_dir: str | pathlib.Path, *, tp: 
 
     model_cfg = dataclasses.replace(common.read_model_config(mcore_dir), params_dtype="fp32")
     hf_cfg = open_hf(hf_dir).model_cfg
-    diffs = common.same_architecture(model_cfg, hf_cfg)
+    diffs = architecture_diff(model_cfg, hf_cfg)
     if diffs:
         raise ConversionError(f"{mcore_dir} and {hf_dir} describe different models: {'; '.join(diffs[:3])}")
     common.check_launch(tp, pp, ep)

@@ -21,6 +21,7 @@ gather or send twice. Memory per rank is bounded by ~one bucket.
 from __future__ import annotations
 
 import logging
+import pathlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -165,3 +166,28 @@ def _ship(plan: ExportPlan, bucket: list[ExportItem], full: dict[str, torch.Tens
             for item, piece in zip(items, buf.split([torch.Size(i.shape).numel() for i in items])):
                 out[item.name] = piece.view(item.shape)
     return out
+
+
+def write_hf_weights(plan: ExportPlan, out_dir: str | pathlib.Path, *, dtype: torch.dtype | None = None,
+                     max_shard_bytes: int = 5 << 30, progress: bool = False) -> int:
+    """Write the model as HF safetensors shards + index into the existing ``out_dir`` (rank 0 writes).
+
+    Collective. ``dtype``: on-disk dtype (default: the model's), except the family's fp32 tensors.
+    Writes weights only (add config.json / tokenizer files beside them). Returns bytes written (0 off rank 0).
+    """
+    from tqdm import tqdm
+
+    from sao_megatron.models.families.hf_files import write_sharded
+
+    stream = iter_hf_tensors(plan, receivers="rank0")
+    if plan.rank != 0:
+        for _ in stream:  # non-receivers still take part in every collective
+            pass
+        return 0
+    stream = tqdm(stream, total=len(plan.wmap.hf_names()), desc="megatron -> hf", unit="tensor",
+                  disable=not progress)
+
+    def dtype_of(name: str) -> torch.dtype | None:
+        return torch.float32 if plan.wmap.is_fp32(name) else dtype
+
+    return write_sharded(stream, pathlib.Path(out_dir), max_shard_bytes=max_shard_bytes, dtype_of=dtype_of)

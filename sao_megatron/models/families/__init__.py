@@ -4,12 +4,14 @@ Public API::
 
     model_config_from_hf(hf_dir_or_config) -> ModelConfig
     hf_config_from_model(model_cfg) -> dict            # hub-style config.json
+    architecture_diff(a, b) -> list[str]               # fields on which two ModelConfigs disagree
     family_for_hf(hf_config, source) -> Family
     get_family(name) -> Family                         # Family.weight_map(cfg) -> WeightMap
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any
 
@@ -18,7 +20,7 @@ from sao_megatron.models.families import glm4_moe, qwen3_moe
 from sao_megatron.models.families.base import ConversionError, Family, WeightMap
 from sao_megatron.models.families.hf_config import read_hf_config
 
-__all__ = ["ConversionError", "FAMILIES", "Family", "WeightMap", "family_for_hf", "get_family",
+__all__ = ["ConversionError", "FAMILIES", "Family", "WeightMap", "architecture_diff", "family_for_hf", "get_family",
            "hf_config_from_model", "model_config_from_hf"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_moe.FAMILY, glm4_moe.FAMILY)}
@@ -68,3 +70,14 @@ def model_config_from_hf(hf: str | pathlib.Path | dict[str, Any]) -> ModelConfig
 def hf_config_from_model(model_cfg: ModelConfig) -> dict[str, Any]:
     """Hub-style HF config.json dict for ``model_cfg`` (transformers 4/5 and SGLang read it)."""
     return get_family(model_cfg.family).config_to_hf(model_cfg)
+
+
+# Fields that do not change the weights or the maths of a forward pass.
+_NOT_ARCHITECTURE = {"params_dtype", "max_position_embeddings", "hf_dir", "init_method_std", "moe_aux_loss_coeff",
+                     "moe_token_dispatcher_type", "moe_router_dtype"}
+
+
+def architecture_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
+    """'field: a vs b' for every architecture field on which two model configs disagree."""
+    return [f"{f.name}: {getattr(a, f.name)!r} vs {getattr(b, f.name)!r}" for f in dataclasses.fields(ModelConfig)
+            if f.name not in _NOT_ARCHITECTURE and getattr(a, f.name) != getattr(b, f.name)]

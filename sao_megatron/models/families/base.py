@@ -119,6 +119,8 @@ class WeightMap:
 
     cfg: ModelConfig
     rules: tuple[Rule, ...]
+    fp32_hf_names: tuple[str, ...] = ()
+    """Regexes of HF tensors stored in fp32 whatever the checkpoint dtype."""
     entries: list[Entry] = field(init=False)
     by_mcore: dict[str, Entry] = field(init=False)
 
@@ -158,6 +160,10 @@ class WeightMap:
             raise ConversionError(
                 f"Megatron tensor '{mcore_name}' has no HF mapping for model family '{self.cfg.family}': "
                 "the model was built with a feature the family mapping does not cover") from None
+
+    def is_fp32(self, hf_name: str) -> bool:
+        """HF tensors kept in fp32 on disk (e.g. GLM's e_score_correction_bias)."""
+        return any(re.fullmatch(p, hf_name) for p in self.fp32_hf_names)
 
     def to_mcore(self, mcore_name: str, hf_tensors: list[torch.Tensor], rows: int | None = None) -> torch.Tensor:
         """Full (unsharded) Megatron tensor from its HF tensors; ``rows`` pads a VOCAB tensor."""
@@ -282,11 +288,8 @@ class Family:
     """HF tensors present in checkpoints but not part of the Megatron model (e.g. GLM's MTP layers)."""
 
     def weight_map(self, cfg: ModelConfig) -> WeightMap:
-        return WeightMap(cfg, self.rules)
+        return WeightMap(cfg, self.rules, self.fp32_hf_names)
 
     def with_rules(self, rules: tuple[Rule, ...]) -> "Family":
         """A copy with another rule table (used by tests to prove the parity gate has teeth)."""
         return dataclasses.replace(self, rules=rules)
-
-    def is_fp32(self, hf_name: str) -> bool:
-        return any(re.fullmatch(p, hf_name) for p in self.fp32_hf_names)

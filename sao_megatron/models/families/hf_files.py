@@ -90,7 +90,7 @@ def write_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: pathlib.
     """Write (name, tensor) pairs as ``model-0000i-of-0000n.safetensors`` + index; returns total bytes.
 
     Tensors arrive streaming; a shard is flushed once it would exceed ``max_shard_bytes``.
-    ``dtype_of(name)`` gives each tensor's on-disk dtype.
+    ``dtype_of(name)`` gives each tensor's on-disk dtype (None: keep the tensor's).
     """
     shards: list[list[str]] = []
     current: dict[str, torch.Tensor] = {}
@@ -107,7 +107,7 @@ def write_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: pathlib.
             current, size = {}, 0
 
     for name, t in tensors:
-        t = t.detach().to("cpu", dtype_of(name)).contiguous()
+        t = t.detach().to("cpu", dtype_of(name) or t.dtype).contiguous()
         nbytes = t.numel() * t.element_size()
         if current and size + nbytes > max_shard_bytes:
             flush()

@@ -161,6 +161,24 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], wmap: WeightMap, ckpt, 
     return len(tensors)
 
 
+def load_hf_dir(model_chunks: list[torch.nn.Module], model_cfg, hf_dir, *, progress: bool = False) -> None:
+    """Validate ``hf_dir`` against ``model_cfg`` and load its weights into the (sharded) model. Collective.
+
+    For a trainer starting from an HF checkpoint (``model.hf_dir``) without a converted copy.
+    """
+    from sao_megatron.models.families import architecture_diff, get_family, model_config_from_hf
+    from sao_megatron.models.families.hf_files import HfCheckpoint
+
+    diffs = architecture_diff(model_cfg, model_config_from_hf(hf_dir))
+    if diffs:
+        raise ConversionError(f"{hf_dir}/config.json does not describe the configured model: {'; '.join(diffs[:3])}")
+    family = get_family(model_cfg.family)
+    wmap = family.weight_map(model_cfg)
+    ckpt = HfCheckpoint(hf_dir)
+    ckpt.validate(family, wmap)
+    load_hf_weights(model_chunks, wmap, ckpt, progress=progress)
+
+
 def _progress(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
