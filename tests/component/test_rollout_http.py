@@ -164,6 +164,17 @@ def test_abort_request_returns_partial(engines):  # noqa: F811
     assert len(r.logprobs) == len(r.versions) == len(r.output_ids)
 
 
+def test_client_gone_aborts_on_engine(engines):  # noqa: F811
+    """A client that stops waiting (timeout, cancelled task) frees the engine, as in SGLang."""
+    url = engines.urls[1]
+    before = server_state(url)["aborted"]
+    with httpx.Client(trust_env=False) as http, pytest.raises(httpx.TimeoutException):
+        http.post(url + "/generate", timeout=0.1, headers={"Authorization": f"Bearer {API_KEY}"},
+                  json={"rid": "e" * 32, "input_ids": [4, 5], "sampling_params": {"max_new_tokens": 250,
+                                                                                   "ignore_eos": True}})
+    poll_until(lambda: "e" * 32 not in server_state(url)["num_output_tokens"], what="request gone")
+    assert server_state(url)["aborted"] == before + 1
+
 def test_bad_weight_dirs_rejected_and_old_weights_kept(engines, tiny_dirs):  # noqa: F811
     async def run():
         async with client_for(engines.urls, ContractRecorder()) as client:

@@ -96,7 +96,7 @@ class EngineCore:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.error: BaseException | None = None
-        self.stats = {"decode_steps": 0, "decode_rows": 0, "max_decode_batch": 0, "prefills": 0}
+        self.stats = {"decode_steps": 0, "decode_rows": 0, "max_decode_batch": 0, "prefills": 0, "aborted": 0}
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -218,6 +218,7 @@ class EngineCore:
         if req in self.running:
             self.running.remove(req)
         req.cache = None
+        self.stats["aborted"] += reason["type"] == "abort"
         req.done(self.reply(req, reason))
 
     def reply(self, req: Request, reason: dict[str, Any]) -> dict[str, Any]:

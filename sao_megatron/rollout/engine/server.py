@@ -41,6 +41,22 @@ async def json_body(request: Request) -> dict[str, Any]:
     return body
 
 
+class _ApiKeyMiddleware:
+    """Plain ASGI (not BaseHTTPMiddleware, which hides client disconnects from handlers, as SGLang notes)."""
+
+    def __init__(self, app, *, authorized):
+        self.app, self.authorized = app, authorized
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if not self.authorized(scope["method"], scope["path"], auth):
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class EngineServer:
     """Route handlers over one ``EngineCore``; ``app()`` builds the FastAPI application."""
 
@@ -57,12 +73,11 @@ class EngineServer:
         r = self.runner
         return ModelLimits(r.vocab_size, r.max_context, frozenset(r.eos_ids), self.enable_routed_experts)
 
-    async def check_api_key(self, request: Request, call_next):
-        if self.api_key and request.method != "OPTIONS" and not request.url.path.startswith("/health"):
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token, self.api_key):
-                return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        return await call_next(request)
+    def authorized(self, method: str, path: str, authorization: str) -> bool:
+        if not self.api_key or method == "OPTIONS" or path.startswith("/health"):
+            return True
+        scheme, _, token = authorization.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token, self.api_key)
 
     async def submit(self, body: dict[str, Any]) -> tuple[str, asyncio.Future]:
         """Queue a request on the engine; (rid, future of its reply)."""
@@ -82,7 +97,7 @@ class EngineServer:
     async def generate(self, request: Request):
         rid, fut = await self.submit(await json_body(request))
         while not fut.done():
-            await asyncio.wait({fut}, timeout=0.5)
+            await asyncio.wait({fut}, timeout=0.2)
             if not fut.done() and await request.is_disconnected():  # as SGLang: a gone client aborts
                 self.core.post(lambda: self.core.abort(rid, "client disconnected"))
                 return Response(status_code=499)
@@ -172,7 +187,11 @@ class EngineServer:
         return {"success": True, "message": "Weight update session closed."}
 
     async def update_weights_from_disk(self, request: Request):
-        """Load and check off the engine thread, then swap between two decode steps."""
+        """Load and check off the engine thread, then swap between two decode steps.
+
+        Without a pause, in-flight requests continue on their old KV caches (as with
+        in_place); SGLang instead waits for them to finish. The scheduler always pauses first.
+        """
         body = await json_body(request)
         path, version = body.get("model_path"), body.get("weight_version")
         if not isinstance(path, str) or (version is not None and not isinstance(version, str)):
@@ -200,7 +219,7 @@ class EngineServer:
     # ------------------------------------------------------------------ app
     def app(self) -> FastAPI:
         app = FastAPI(title="sao-megatron embedded engine", docs_url=None, redoc_url=None, openapi_url=None)
-        app.middleware("http")(self.check_api_key)
+        app.add_middleware(_ApiKeyMiddleware, authorized=self.authorized)
         app.add_exception_handler(BadRequest, lambda _r, exc: JSONResponse(
             {"error": {"message": str(exc), "code": 400}}, status_code=400))
         routes = [
