@@ -113,6 +113,11 @@ def test_exported_directory_loads_in_transformers(converted, name):
         assert torch.equal(ref(input_ids=tokens).logits, got(input_ids=tokens).logits)
 
 
+def test_trainer_start_from_hf_dir_loads_directly(converted):
+    r = converted[1]["load_hf_dir"]
+    assert r["max_abs_diff"] <= TOL and "rotary_percent" in r["rejected"], r
+
+
 @pytest.mark.parametrize("name", MUTATED)
 def test_swapping_gate_and_up_in_the_mapping_breaks_parity(converted, name):
     assert converted[1]["mutations"][name]["max_abs_diff"] > 100 * TOL

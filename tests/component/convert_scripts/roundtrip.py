@@ -37,6 +37,26 @@ def gate_up_swapped(family):
     return family.with_rules(rules)
 
 
+def direct_load_parity(hf_dir: pathlib.Path) -> dict:
+    """The trainer's start-from-HF path (sharded.load_hf_dir, no checkpoint files), and its config guard."""
+    import dataclasses
+
+    from checkpoints_tools import common
+    from checkpoints_tools.parity import check_parity
+    from sao_megatron.models.families import ConversionError, model_config_from_hf
+    from sao_megatron.models.families.sharded import load_hf_dir
+
+    cfg = model_config_from_hf(hf_dir)
+    ctx, chunks = common.bootstrap(cfg, 1, 1, 1)
+    load_hf_dir(chunks, cfg, hf_dir)
+    try:
+        load_hf_dir(chunks, dataclasses.replace(cfg, rotary_percent=1.0), hf_dir)
+        rejected = ""
+    except ConversionError as exc:
+        rejected = str(exc)
+    return {"max_abs_diff": check_parity(hf_dir, chunks, ctx, cfg.vocab_size).max_abs_diff, "rejected": rejected}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("work", type=pathlib.Path)
@@ -62,6 +82,7 @@ def main() -> None:
         report["shapes"][name] = {"max_abs_diff": res.max_abs_diff, "mean_abs_diff": res.mean_abs_diff,
                                   "max_abs_logit": res.max_abs_logit,
                                   "fixture_reload_diff": fixture_reload_diff(name, hf_dir)}
+    report["load_hf_dir"] = direct_load_parity(args.work / "glm_mha_qknorm_shared2" / "hf")
     for name in filter(None, args.mutate.split(",")):
         hf_dir = args.work / name / "hf"
         res = parity_of_mapping(hf_dir, gate_up_swapped(open_hf(hf_dir).family))
