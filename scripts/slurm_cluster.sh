@@ -99,7 +99,8 @@ AccountingStorageType=accounting_storage/none
 JobRequeue=1
 ReturnToService=2
 PropagateResourceLimits=NONE
-KillWait=30
+# Grace between SIGTERM and SIGKILL when a job is cancelled, preempted or requeued.
+KillWait=15
 MinJobAge=600
 FirstJobId=$first_job_id
 NodeName=n[1-$NUM_NODES] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=[$NODE_PORT0-$last_port] CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN

@@ -76,9 +76,12 @@ def endpoints(plan: LaunchPlan, alloc: Allocation) -> tuple[list[str], str | Non
     return urls, router
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # cluster-internal: never via a proxy
+
+
 def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
     try:
-        with urllib.request.urlopen(f"{base_url}/health", timeout=timeout_s) as reply:
+        with _DIRECT.open(f"{base_url}/health", timeout=timeout_s) as reply:
             return reply.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -145,22 +148,9 @@ def run_trainer_node(plan: LaunchPlan, alloc: Allocation, node_rank: int, *,
     return code
 
 
-def engine_model_dir(plan: LaunchPlan) -> str:
-    """The weights engines start from: --engine-model-dir, else the config's model.hf_dir."""
-    if plan.engine_model_dir:
-        return plan.engine_model_dir
-    from sao_megatron.config import load_config
-
-    model_dir = load_config(plan.config, plan.overrides, check=False).model.hf_dir
-    if not model_dir:
-        raise ValueError(f"{plan.config}: rollout nodes need weights to serve: set model.hf_dir in the config "
-                         f"or pass --engine-model-dir (the trainer pushes its own weights after start)")
-    return model_dir
-
-
-def _start(argv: list[str]) -> subprocess.Popen:
+def _start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     log.info("starting: %s", " ".join(argv))
-    return subprocess.Popen(argv, preexec_fn=_ignore_checkpoint_signals)
+    return subprocess.Popen(argv, env=env, preexec_fn=_ignore_checkpoint_signals)
 
 
 def _stop_all(procs: list[subprocess.Popen], grace_s: float = 15.0) -> None:
@@ -180,14 +170,16 @@ def run_rollout_node(plan: LaunchPlan, alloc: Allocation, node_index: int, *, st
                      stop_file: pathlib.Path | None = None) -> int:
     """Serve this node's engines (and the router on rollout node 0) until ``stop`` or the stop file."""
     from sao_megatron.config import load_config
+    from sao_megatron.launch import engine_init
 
-    model_dir = engine_model_dir(plan)
-    routed = load_config(plan.config, plan.overrides, check=False).rollout.return_routed_experts
+    model_dir = engine_init.prepare(plan)
+    rollout = load_config(plan.config, plan.overrides, check=False).rollout
     per_node = lp.engines_per_node(plan)
     host = alloc.rollout_addrs[node_index]
     mine = lp.engine_endpoints(alloc.rollout_addrs, alloc.port_base, per_node)[node_index * per_node:][:per_node]
     procs = [_start(lp.engine_argv(plan, python=sys.executable, model_dir=model_dir, host=host, port=port,
-                                   local_index=k, return_routed_experts=routed))
+                                   local_index=k, return_routed_experts=rollout.return_routed_experts,
+                                   api_key=rollout.api_key))
              for k, (_, port) in enumerate(mine)]
     try:
         engine_urls, router_url = endpoints(plan, alloc)
@@ -195,8 +187,10 @@ def run_rollout_node(plan: LaunchPlan, alloc: Allocation, node_index: int, *, st
             wait_healthy(engine_urls, timeout_s=ENGINE_START_TIMEOUT_S,
                          alive=lambda: all(p.poll() is None for p in procs))
             rhost, rport = lp.router_endpoint(alloc.rollout_addrs, alloc.port_base)
-            procs.append(_start(lp.router_argv(python=sys.executable, host=rhost, port=rport,
-                                               worker_urls=engine_urls, model_dir=model_dir)))
+            argv = lp.router_argv(python=sys.executable, host=rhost, port=rport, worker_urls=engine_urls,
+                                  model_dir=model_dir, request_timeout_s=rollout.request_timeout_s,
+                                  api_key=rollout.api_key)
+            procs.append(_start(argv, env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")))
         return _serve(procs, stop, stop_file)
     finally:
         _stop_all(procs)

@@ -22,9 +22,10 @@ cfg = dataclass(kw_only=True, slots=True)
 PORT_RANGE_START = 20000
 PORTS_PER_JOB = 200
 NUM_PORT_SLOTS = 200  # 20000 + 200 * 200 = 60000 stays below the ephemeral range
+PROMETHEUS_PORT_OFFSET = PORTS_PER_JOB - 3  # the router's metrics port (its default 29000 would collide)
 MASTER_PORT_OFFSET = PORTS_PER_JOB - 2
 ROUTER_PORT_OFFSET = PORTS_PER_JOB - 1
-MAX_ENGINES = PORTS_PER_JOB - 2
+MAX_ENGINES = PORTS_PER_JOB - 3
 
 
 @cfg
@@ -172,7 +173,7 @@ def trainer_argv(plan: LaunchPlan, *, python: str, node_rank: int, master_addr: 
 
 
 def engine_argv(plan: LaunchPlan, *, python: str, model_dir: str, host: str, port: int, local_index: int,
-                return_routed_experts: bool = False) -> list[str]:
+                return_routed_experts: bool = False, api_key: str | None = None) -> list[str]:
     """The server command of engine ``local_index`` on a rollout node."""
     if server_kind(plan) == "embedded":
         argv = [python, "-m", plan.entry_module, "serve-local", "--model-dir", model_dir,
@@ -180,14 +181,22 @@ def engine_argv(plan: LaunchPlan, *, python: str, model_dir: str, host: str, por
     else:
         tp = plan.gpus_per_engine or plan.gpus_per_node
         argv = [python, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host,
-                "--port", str(port), "--tp-size", str(tp), "--base-gpu-id", str(local_index * tp),
-                "--weight-version", "0"]
-        if return_routed_experts:
-            argv.append("--enable-return-routed-experts")
+                "--port", str(port), "--tp-size", str(tp), "--base-gpu-id", str(local_index * tp)]
+    argv += ["--weight-version", "0"]
+    if return_routed_experts:
+        argv.append("--enable-return-routed-experts")
+    if api_key:
+        argv += ["--api-key", api_key]
     return argv + list(plan.engine_args)
 
 
-def router_argv(*, python: str, host: str, port: int, worker_urls: list[str], model_dir: str) -> list[str]:
-    # A local --model-path keeps the router from fetching the tokenizer from the HF hub.
-    return [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-            "--policy", "cache_aware", "--model-path", model_dir, "--worker-urls", *worker_urls]
+def router_argv(*, python: str, host: str, port: int, worker_urls: list[str], model_dir: str,
+                request_timeout_s: float, api_key: str | None = None) -> list[str]:
+    """sglang-router in front of the engines: retries off, so a failed generation surfaces instead of
+    silently running twice; a local tokenizer, so it never reaches for the HF hub."""
+    argv = [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+            "--worker-urls", *worker_urls, "--policy", "cache_aware", "--disable-retries",
+            "--request-timeout-secs", str(int(request_timeout_s)), "--tokenizer-path", model_dir,
+            "--prometheus-host", host,
+            "--prometheus-port", str(port - ROUTER_PORT_OFFSET + PROMETHEUS_PORT_OFFSET)]
+    return argv + (["--api-key", api_key] if api_key else [])

@@ -24,6 +24,7 @@ from typing import Any
 
 import psutil
 
+from sao_megatron.launch import engine_init
 from sao_megatron.launch import node as nd
 from sao_megatron.launch import plan as lp
 from sao_megatron.launch import slurm_query as sq
@@ -87,8 +88,8 @@ def validate(plan: LaunchPlan, *, query_cluster: bool = True) -> sq.Partition | 
     sq.check_config(plan)
     sq.check_run_dir(plan.run_dir)
     if plan.nodes_rollout:
-        model_dir = nd.engine_model_dir(plan)
-        if not os.path.isdir(model_dir):
+        model_dir, bootstrap = engine_init.resolve(plan)
+        if not bootstrap and not os.path.isdir(model_dir):
             raise ValueError(f"engine model directory {model_dir!r} does not exist: the rollout nodes load it "
                              f"at start (set model.hf_dir or --engine-model-dir)")
     if not query_cluster:

@@ -132,7 +132,17 @@ def test_engine_argv_sglang_gets_its_gpu_group():
 def test_engine_argv_cpu_is_serve_local():
     argv = lp.engine_argv(make_plan(), python="py", model_dir="/m", host="127.0.0.1", port=9, local_index=0)
     assert argv == ["py", "-m", "sao_megatron.cli", "serve-local", "--model-dir", "/m",
-                    "--host", "127.0.0.1", "--port", "9"]
+                    "--host", "127.0.0.1", "--port", "9", "--weight-version", "0"]
+
+
+def test_router_argv_never_retries_and_owns_its_ports():
+    argv = lp.router_argv(python="py", host="10.0.0.6", port=20199, worker_urls=["http://a:1", "http://b:2"],
+                          model_dir="/m", request_timeout_s=120.0, api_key="k")
+    assert "--disable-retries" in argv  # a retried /generate could train a prompt twice
+    i = argv.index("--worker-urls")
+    assert argv[i + 1:i + 3] == ["http://a:1", "http://b:2"]
+    assert argv[argv.index("--prometheus-port") + 1] == str(20000 + lp.PROMETHEUS_PORT_OFFSET)
+    assert argv[argv.index("--tokenizer-path") + 1] == "/m" and argv[-2:] == ["--api-key", "k"]
 
 
 @pytest.mark.parametrize("text,minutes", [("90", 90), ("1:30:00", 90), ("1:30", 90), ("2-00:00:00", 2880),

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from sao_megatron.config import ConfigError
+from sao_megatron.launch import engine_init
 from sao_megatron.launch import submit as sb
 from sao_megatron.launch.plan import LaunchPlan
 from sao_megatron.launch.slurm_query import Partition, check_nodes_fit
@@ -88,9 +89,13 @@ def test_engines_need_weights(tmp_path, experiment):
     plan = make_plan(tmp_path, experiment[0], tmp_path / "missing")
     with pytest.raises(ValueError, match="does not exist"):
         sb.validate(plan, query_cluster=False)
-    no_dir = make_plan(tmp_path, experiment[0], experiment[1], engine_model_dir=None)
+    # GPU engines need real weights; CPU ones get a bootstrap dir written in the job
+    gpu = make_plan(tmp_path, experiment[0], experiment[1], engine_model_dir=None, gpus_per_node=8)
     with pytest.raises(ValueError, match="model.hf_dir"):
-        sb.validate(no_dir, query_cluster=False)
+        sb.validate(gpu, query_cluster=False)
+    cpu = make_plan(tmp_path, experiment[0], experiment[1], engine_model_dir=None)
+    sb.validate(cpu, query_cluster=False)
+    assert engine_init.resolve(cpu) == (str(tmp_path / "run" / "launch" / "engine_init"), True)
     # no rollout nodes: the config's own engines, nothing to check
     sb.validate(make_plan(tmp_path, experiment[0], None, nodes_rollout=0), query_cluster=False)
 
