@@ -152,9 +152,10 @@ class RolloutSide:
         assert self.scheduler is not None
         return self.bridge.run(self.scheduler.next_batch(batch_size))
 
-    def set_version(self, version: int) -> None:
+    def reset_admission_budget(self) -> None:
+        """After a batch consumed without a policy update (value pretraining): admit a new batch's worth."""
         assert self.scheduler is not None
-        self.bridge.loop.call_soon_threadsafe(self.scheduler.set_version, version)
+        self.bridge.run(_call(self.scheduler.reset_admission_budget))
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """Write the new weights while engines keep generating, then pause → load → continue."""

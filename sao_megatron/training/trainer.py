@@ -197,6 +197,8 @@ class Trainer:
             results = [rl_step.critic_update(self.critic, batch, ctx=self.ctx, value_clip=cfg.critic.value_clip)
                        for _ in range(cfg.critic.num_updates_per_step)]
             self._audit(samples, phase="value_pretrain")
+            if self.rank0:  # no policy update happened: the staleness budget must not shrink
+                self.rollout.reset_admission_budget()
             if self.rank0:
                 log.info("value pretraining %d/%d: critic loss %.4f", i + 1, cfg.critic.pretrain_steps,
                          results[-1].loss)
@@ -207,13 +209,9 @@ class Trainer:
         if cfg.actor.load:
             load_checkpoint(cfg.actor.load, self.actor.chunks)
         elif cfg.model.hf_dir:
-            from sao_megatron.models.families.hf_files import HfCheckpoint
-            from sao_megatron.models.families.sharded import load_hf_weights
+            from sao_megatron.models.families.sharded import load_hf_dir
 
-            family = get_family(cfg.model.family)
-            hf = HfCheckpoint(cfg.model.hf_dir)
-            hf.validate(family, family.weight_map(cfg.model))
-            load_hf_weights(self.actor.chunks, family.weight_map(cfg.model), hf)
+            load_hf_dir(self.actor.chunks, cfg.model, cfg.model.hf_dir)
         if self.critic is not None:
             if cfg.critic.init_from != "actor":
                 load_checkpoint(cfg.critic.init_from, self.critic.chunks)
