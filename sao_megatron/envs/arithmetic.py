@@ -79,7 +79,7 @@ class ArithmeticTask(Task):
 
     name = "arithmetic"
     defaults = {"min_operand": 0, "max_operand": 9, "num_operands": 2, "ops": "+",
-                "partial_credit": True, "format_reward": 0.1, "digit_reward": 0.4}
+                "partial_credit": True, "format_reward": 0.1, "digit_reward": 0.4, "demo_answers": "correct"}
 
     def __init__(self, *, num_prompts: int = 1024, seed: int = 0, options: dict | None = None,
                  prompts: list[Prompt] | None = None, tokenizer: CharTokenizer | None = None) -> None:
@@ -88,6 +88,8 @@ class ArithmeticTask(Task):
         o = self.opts
         if not 0 <= o["min_operand"] <= o["max_operand"] or o["num_operands"] < 1:
             raise ValueError("data.options: need 0 <= min_operand <= max_operand and num_operands >= 1")
+        if o["demo_answers"] not in ("correct", "random"):
+            raise ValueError(f"data.options.demo_answers={o['demo_answers']!r} must be 'correct' or 'random'")
         if not o["ops"] or set(o["ops"]) - set("+-*"):
             raise ValueError(f"data.options.ops={o['ops']!r} must be a non-empty string of '+', '-', '*'")
         self._prompts = prompts if prompts is not None else self._generate(num_prompts, seed)
@@ -120,4 +122,12 @@ class ArithmeticTask(Task):
         return arithmetic_reward, args
 
     def demonstration(self, prompt: Prompt) -> list[int]:
-        return self.tokenizer.encode(str(prompt.meta["answer"])) + [self.tokenizer.eos_id]
+        """``demo_answers: random`` gives well-formed but wrong-on-purpose answers (a random result
+        from the task's answer range): a warm-up on them teaches only the answer *format*, so any
+        gain in exact-match reward afterwards is learnt by RL, not copied from demonstrations."""
+        answer = str(prompt.meta["answer"])
+        if self.opts["demo_answers"] == "random":
+            o = self.opts
+            rng = random.Random(f"{prompt.index}:{answer}")
+            answer = str(rng.randint(o["min_operand"] * o["num_operands"], o["max_operand"] * o["num_operands"]))
+        return self.tokenizer.encode(answer) + [self.tokenizer.eos_id]
