@@ -5,9 +5,10 @@ is started by ``srun`` on each trainer node / rollout node. It reads the allocat
 ``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST`` and ``SLURM_NODEID`` (the node's index within its
 step), then:
 
-- trainer node: waits until every engine (and the router) answers ``/health``, then runs
-  torchrun (static rendezvous on trainer node 0) for ``sao-megatron train --resume auto``
-  and exits with its status once every process it started has exited.
+- trainer node: runs torchrun (static rendezvous on trainer node 0) for ``sao-megatron train
+  --resume auto``, whose ranks first wait until every engine (and the router) answers
+  ``/health`` (``train_entry``), and exits with its status once every process it started
+  has exited.
 - rollout node: starts its engine servers, on rollout node 0 also the router once all
   engines are healthy, and keeps them up until the stop file appears or SIGTERM/SIGINT.
 
@@ -126,13 +127,12 @@ def _reap_all(first: subprocess.Popen) -> int:
 
 def run_trainer_node(plan: LaunchPlan, alloc: Allocation, node_rank: int, *,
                      started: threading.Event | None = None, on_process=None) -> int:
-    """Wait for the engines, then run torchrun for this node; returns its exit status."""
+    """Run torchrun for this node (its ranks wait for the engines); returns its exit status."""
     engine_urls, router_url = endpoints(plan, alloc)
-    if engine_urls:
-        wait_healthy(engine_urls + ([router_url] if router_url else []), timeout_s=ENGINE_START_TIMEOUT_S)
     argv = lp.trainer_argv(plan, python=sys.executable, node_rank=node_rank, master_addr=alloc.train_addrs[0],
                            master_port=alloc.port_base + lp.MASTER_PORT_OFFSET,
-                           layout_overrides=lp.rollout_overrides(engine_urls, router_url))
+                           layout_overrides=lp.rollout_overrides(engine_urls, router_url),
+                           wait_for=engine_urls + ([router_url] if router_url else []))
     log.info("trainer node %d: %s", node_rank, " ".join(argv))
     _become_subreaper()
     # torchrun would die on SIGUSR1 (and the step would take the ranks down mid-checkpoint);
@@ -236,7 +236,6 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="sglang-router in front of the engines (auto: with more than one engine)")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=int, default=600,
                    help="seconds ranks get to finish a checkpoint after a signal (default 600)")
-    p.add_argument("--entry-module", default="sao_megatron.cli", help=argparse.SUPPRESS)
 
 
 def plan_from_args(args: argparse.Namespace, **extra) -> LaunchPlan:
@@ -246,7 +245,7 @@ def plan_from_args(args: argparse.Namespace, **extra) -> LaunchPlan:
                       procs_per_node=args.procs_per_node, gpus_per_engine=args.gpus_per_engine,
                       server=args.server, engine_model_dir=args.engine_model_dir,
                       engine_args=list(args.engine_args), router=args.router,
-                      shutdown_timeout_s=args.shutdown_timeout_s, entry_module=args.entry_module, **extra)
+                      shutdown_timeout_s=args.shutdown_timeout_s, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,8 +72,6 @@ class LaunchPlan:
     """Seconds torchrun lets its ranks finish a checkpoint after a signal before killing them."""
     max_requeues: int = 10
     """Requeues (time limit or preemption) before the launcher gives up."""
-    entry_module: str = "sao_megatron.cli"
-    """Module run as ``python -m MODULE train|serve-local`` (a stand-in only while developing)."""
 
 
 def server_kind(plan: LaunchPlan) -> Literal["sglang", "embedded"]:
@@ -161,22 +159,24 @@ def rollout_overrides(engine_urls: list[str], router_url: str | None) -> list[st
 
 
 def trainer_argv(plan: LaunchPlan, *, python: str, node_rank: int, master_addr: str, master_port: int,
-                 layout_overrides: list[str]) -> list[str]:
-    """torchrun on one trainer node, running ``sao-megatron train ... --resume auto``."""
+                 layout_overrides: list[str], wait_for: list[str]) -> list[str]:
+    """torchrun on one trainer node; each rank waits for ``wait_for`` (/health), then runs
+    ``sao-megatron train ... --resume auto`` (see ``train_entry``)."""
     sets = [a for item in plan.overrides + layout_overrides for a in ("--set", item)]
+    waits = [a for u in wait_for for a in ("--wait-for", u)]
     return [python, "-m", "torch.distributed.run",
             f"--nnodes={plan.nodes_train}", f"--nproc-per-node={procs_per_node(plan)}",
             f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}",
             f"--shutdown-timeout={plan.shutdown_timeout_s}",
-            "-m", plan.entry_module, "train", "--config", plan.config, "--run-dir", plan.run_dir,
-            "--resume", "auto", *sets]
+            "-m", "sao_megatron.launch.train_entry", *waits, "--",
+            "train", "--config", plan.config, "--run-dir", plan.run_dir, "--resume", "auto", *sets]
 
 
 def engine_argv(plan: LaunchPlan, *, python: str, model_dir: str, host: str, port: int, local_index: int,
                 return_routed_experts: bool = False, api_key: str | None = None) -> list[str]:
     """The server command of engine ``local_index`` on a rollout node."""
     if server_kind(plan) == "embedded":
-        argv = [python, "-m", plan.entry_module, "serve-local", "--model-dir", model_dir,
+        argv = [python, "-m", "sao_megatron.cli", "serve-local", "--model-dir", model_dir,
                 "--host", host, "--port", str(port)]
     else:
         tp = plan.gpus_per_engine or plan.gpus_per_node

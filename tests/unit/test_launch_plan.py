@@ -85,13 +85,15 @@ def test_check_plan_accepts_a_gpu_layout():
 def test_trainer_argv_is_torchrun_with_resume_auto_and_layout_overrides_last():
     plan = make_plan(nodes_train=2, gpus_per_node=8, overrides=["rollout.engine_urls=[]", "run.num_steps=3"])
     argv = lp.trainer_argv(plan, python="/py", node_rank=1, master_addr="10.0.0.5", master_port=20198,
-                           layout_overrides=["rollout.engine_urls=[\"http://a:1\"]"])
+                           layout_overrides=["rollout.engine_urls=[\"http://a:1\"]"], wait_for=["http://a:1"])
     assert argv[:3] == ["/py", "-m", "torch.distributed.run"]
     for flag in ("--nnodes=2", "--nproc-per-node=8", "--node-rank=1", "--master-addr=10.0.0.5",
                  "--master-port=20198"):
         assert flag in argv
-    tail = argv[argv.index("-m", 3):]
-    assert tail[:3] == ["-m", "sao_megatron.cli", "train"]
+    entry = argv[argv.index("-m", 3):]
+    assert entry[:4] == ["-m", "sao_megatron.launch.train_entry", "--wait-for", "http://a:1"]
+    tail = entry[entry.index("--") + 1:]
+    assert tail[0] == "train"
     assert tail[tail.index("--resume") + 1] == "auto"
     sets = [tail[i + 1] for i, a in enumerate(tail) if a == "--set"]
     assert sets == ["rollout.engine_urls=[]", "run.num_steps=3", "rollout.engine_urls=[\"http://a:1\"]"]
