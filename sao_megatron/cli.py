@@ -20,6 +20,7 @@ _VERBS: dict[str, str] = {
     "report": "sao_megatron.training.report",
     "train": "sao_megatron.training.cli",
     "sft": "sao_megatron.training.cli",
+    "parity": "sao_megatron.training.parity",
     "serve-local": "sao_megatron.rollout.engine.cli",
     "convert": "checkpoints_tools.cli",
     "launch": "sao_megatron.launch.cli",
