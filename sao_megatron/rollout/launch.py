@@ -39,6 +39,19 @@ def _offline_env() -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the process that started it dies.
+
+    The children run in their own session (so ``stop()`` can end their whole group), which also
+    shields them from the parent's terminal signals: without this, a trainer killed with SIGKILL
+    (OOM, preemption) would leave engines running and holding ports and memory.
+    """
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def _log_tail(path: Path, n: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -113,7 +126,8 @@ class LocalEngines:
                 port_file.unlink(missing_ok=True)
                 with open(log, "w") as fh:
                     self.processes.append(subprocess.Popen(self._command(port_file), stdout=fh, stderr=subprocess.STDOUT,
-                                                           env=_offline_env(), start_new_session=True))
+                                                           env=_offline_env(), start_new_session=True,
+                                                           preexec_fn=_die_with_parent))
                 port_files.append(port_file)
                 self.logs.append(log)
             deadline = time.monotonic() + self.startup_timeout_s
@@ -199,7 +213,8 @@ class SGLangRouterProcess:
             port = free_port()
             with open(log, "w") as fh:
                 self.process = subprocess.Popen(self._command(port), stdout=fh, stderr=subprocess.STDOUT,
-                                                env=_offline_env(), start_new_session=True)
+                                                env=_offline_env(), start_new_session=True,
+                                                preexec_fn=_die_with_parent)
             url = f"http://127.0.0.1:{port}"
             try:
                 _wait_http_ok(url + "/health", self.process, log, time.monotonic() + self.startup_timeout_s,
