@@ -113,11 +113,20 @@ def test_kill_and_resume_trains_every_prompt_once(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    deadline = time.time() + 30  # engines run in their own sessions but must die with the trainer
+    while time.time() < deadline and engines_of(run_dir):
+        time.sleep(0.5)
+    assert not engines_of(run_dir), "engines outlived the killed trainer"
     run_train(run_dir, *overrides)
     recs = audit_unique(run_dir)
     rl = [r for r in recs if r["phase"] == "rl"]
     assert sorted({r["step"] for r in rl}) == list(range(6)) and len(rl) == 6 * 8
     assert [m["version"] for m in metrics_by_step(run_dir)] == list(range(1, 7))
+
+
+def engines_of(run_dir) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if "serve-local" in ln and str(run_dir) in ln]
 
 
 def test_unreachable_engine_fails_before_training(tmp_path):
