@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from sao_megatron.config.schema import DataConfig, RolloutConfig, SchedulerConfig
+from sao_megatron.envs import build_reward_schedule
 from sao_megatron.envs.base import Prompt, Task
 from sao_megatron.envs.rewards import RewardPool, RewardSchedule
 from sao_megatron.rollout.types import SamplingParams
@@ -95,7 +96,9 @@ class AsyncScheduler:
     def from_config(cls, client, task: Task, sched_cfg: SchedulerConfig, data_cfg: DataConfig,
                     rollout_cfg: RolloutConfig, *, group_size: int = 1, version: int = 0,
                     schedule: RewardSchedule | None = None) -> AsyncScheduler:
-        """The scheduler as configured by the scheduler, data and rollout sections."""
+        """The scheduler as configured by the scheduler, data and rollout sections (phases from
+        ``data_cfg.phases`` unless ``schedule`` is given)."""
+        schedule = schedule or build_reward_schedule(data_cfg)
         sampling = SamplingParams(max_new_tokens=rollout_cfg.max_new_tokens, temperature=rollout_cfg.temperature,
                                   top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k)
         return cls(client, task, sched_cfg, sampling, group_size=group_size, schedule=schedule,
