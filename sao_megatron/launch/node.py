@@ -12,12 +12,15 @@ step), then:
 - rollout node: starts its engine servers, on rollout node 0 also the router once all
   engines are healthy, and keeps them up until the stop file appears or SIGTERM/SIGINT.
 
-Signals: Slurm delivers a job-step signal to every process of the step, so the trainer ranks
-get SIGUSR1/SIGTERM straight from Slurm (and once more from torchrun). This runner only has to
-outlive them: it ignores SIGUSR1/SIGUSR2/SIGTERM on trainer nodes and becomes the child
-subreaper so that ranks orphaned by an early torchrun exit are still waited for (an exiting
-task would end the step and kill a rank mid-checkpoint). Engines start with SIGUSR1/SIGUSR2
-ignored: a checkpoint signal aimed at the trainer must never take a server down.
+Signals. Checkpoint-and-exit (time limit near) is a request file in the run directory: the
+trainer node runners send SIGUSR1 to their ranks only (torchrun's children). A step-wide
+Slurm signal would also reach the ranks' helper processes (multiprocessing managers of the
+checkpoint writer), which die on it and break the save. SIGTERM (cancel, preemption,
+requeue) does come step-wide from Slurm; the ranks get it themselves (and once more from
+torchrun). On trainer nodes the runner ignores signals and becomes the child subreaper, so
+it outlives every rank: an exiting task ends the step and would kill a rank mid-checkpoint.
+Engines start with SIGUSR1/SIGUSR2 ignored: a signal aimed at the trainer must never take a
+server down.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+
+import psutil
 
 from sao_megatron.launch import plan as lp
 from sao_megatron.launch.plan import LaunchPlan
@@ -126,8 +131,11 @@ def _reap_all(first: subprocess.Popen) -> int:
 
 
 def run_trainer_node(plan: LaunchPlan, alloc: Allocation, node_rank: int, *,
-                     started: threading.Event | None = None, on_process=None) -> int:
-    """Run torchrun for this node (its ranks wait for the engines); returns its exit status."""
+                     checkpoint_file: pathlib.Path | None = None) -> int:
+    """Run torchrun for this node (its ranks wait for the engines); returns its exit status.
+
+    Once ``checkpoint_file`` exists, this node's ranks get SIGUSR1 (checkpoint and exit).
+    """
     engine_urls, router_url = endpoints(plan, alloc)
     argv = lp.trainer_argv(plan, python=sys.executable, node_rank=node_rank, master_addr=alloc.train_addrs[0],
                            master_port=alloc.port_base + lp.MASTER_PORT_OFFSET,
@@ -135,17 +143,42 @@ def run_trainer_node(plan: LaunchPlan, alloc: Allocation, node_rank: int, *,
                            wait_for=engine_urls + ([router_url] if router_url else []))
     log.info("trainer node %d: %s", node_rank, " ".join(argv))
     _become_subreaper()
-    # torchrun would die on SIGUSR1 (and the step would take the ranks down mid-checkpoint);
-    # ignored here it keeps waiting while the ranks, which get the signal from Slurm directly
-    # and install their own handler, checkpoint and exit.
+    # torchrun would die on a stray SIGUSR1 and the step would take the ranks down with it.
     proc = subprocess.Popen(argv, preexec_fn=_ignore_checkpoint_signals)
-    if on_process is not None:
-        on_process(proc)
-    if started is not None:
-        started.set()
+    if checkpoint_file is not None:
+        threading.Thread(target=_forward_checkpoint_request, args=(proc, checkpoint_file), daemon=True,
+                         name="checkpoint-request").start()
     code = _reap_all(proc)
     log.info("trainer node %d: torchrun exited with %d", node_rank, code)
     return code
+
+
+def _forward_checkpoint_request(torchrun: subprocess.Popen, request: pathlib.Path) -> None:
+    """SIGUSR1 to the ranks (torchrun's children) only, once ``request`` appears.
+
+    Not step-wide: Slurm would also hit the ranks' own helper processes (multiprocessing
+    managers used by the checkpoint writer), which die on SIGUSR1 and break the save.
+    """
+    while torchrun.poll() is None:
+        if request.exists():
+            try:
+                ranks = psutil.Process(torchrun.pid).children()
+            except psutil.NoSuchProcess:
+                return
+            log.info("checkpoint requested: SIGUSR1 to ranks %s", [r.pid for r in ranks])
+            for rank in ranks:
+                try:
+                    rank.send_signal(signal.SIGUSR1)
+                except psutil.NoSuchProcess:
+                    pass
+            return
+        time.sleep(1.0)
+
+
+def checkpoint_request_path(run_dir: str, job_id: int) -> pathlib.Path:
+    """Touching it asks every trainer node of this run of the job to checkpoint and exit."""
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return pathlib.Path(run_dir) / "launch" / f"checkpoint-{job_id}-{restart}"
 
 
 def _start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -153,7 +186,8 @@ def _start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Pop
     return subprocess.Popen(argv, env=env, preexec_fn=_ignore_checkpoint_signals)
 
 
-def _stop_all(procs: list[subprocess.Popen], grace_s: float = 15.0) -> None:
+def _stop_all(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``: engines hold no state worth a longer wait."""
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -209,9 +243,9 @@ def _serve(procs: list[subprocess.Popen], stop: threading.Event, stop_file: path
 
 
 def stop_file_path(run_dir: str, job_id: int) -> pathlib.Path:
-    """Written by trainer node 0 when training ends, so rollout nodes of that job shut down."""
+    """Written when training ends, so the rollout nodes of that run of the job shut down."""
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-    return pathlib.Path(run_dir) / "launch" / f"done-{job_id}-{restart}"
+    return pathlib.Path(run_dir) / "launch" / f"stop-{job_id}-{restart}"
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -255,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     add_plan_args(parser)
     parser.add_argument("--stop-file", type=pathlib.Path, default=None,
                         help="rollout: shut the engines down once this file exists")
+    parser.add_argument("--checkpoint-file", type=pathlib.Path, default=None,
+                        help="train: SIGUSR1 to the ranks (checkpoint and exit) once this file exists")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s launch.node: %(message)s")
     plan = plan_from_args(args)
@@ -262,10 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     index = int(os.environ.get("SLURM_NODEID", "0"))
     stop = threading.Event()
     if args.role == "train":
+        # Slurm signals every process of the step: the ranks get it themselves, and this
+        # runner must outlive them (its exit would end the step and kill them mid-save).
         for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, lambda s, f: log.info("trainer node: got %s (the ranks got it too)",
                                                      signal.Signals(s).name))
-        return run_trainer_node(plan, alloc, index)
+        return run_trainer_node(plan, alloc, index, checkpoint_file=args.checkpoint_file)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, f: stop.set())
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)

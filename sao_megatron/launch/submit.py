@@ -3,13 +3,14 @@
 One submitit task per node: the first ``nodes_train`` tasks run the trainer (torchrun),
 the others the engines, exactly as ``slurm/sao_rl.sbatch`` does with two srun steps.
 
-Requeue: the job is submitted with ``--signal=USR1@<signal_lead_s>`` (submitit's preemption
-signal set to USR1). Slurm delivers it to every process of the step: the trainer ranks
-checkpoint and exit (torchrun and the engines ignore it), and submitit calls
-``LayoutJob.checkpoint`` on task 0, which waits for the local ranks to finish and then
-hands submitit a fresh copy of the job to requeue; the rerun passes ``--resume auto``.
-A preemption or ``scontrol requeue`` sends SIGTERM instead: the ranks checkpoint within
-KillWait and Slurm requeues the job itself.
+Requeue: the job is submitted with ``--signal=URG@<signal_lead_s>`` and submitit listens to
+SIGURG (``SUBMITIT_PREEMPT_SIGNAL``). Slurm delivers it to every process of the step, and
+SIGURG is ignored by default, so nothing dies of it (SIGUSR1 there would kill the ranks'
+checkpoint-writer helpers). submitit calls ``LayoutJob.checkpoint`` on task 0, which touches
+the checkpoint request file (every trainer node runner then sends SIGUSR1 to its ranks: they
+checkpoint and exit), waits for the local ranks to finish and hands submitit a fresh copy of
+the job to requeue; the rerun passes ``--resume auto``. A preemption or ``scontrol requeue``
+sends SIGTERM instead: the ranks may save within KillWait and Slurm requeues the job itself.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from sao_megatron.launch import slurm_query as sq
 from sao_megatron.launch.plan import LaunchPlan
 
 log = logging.getLogger(__name__)
-PREEMPT_SIGNAL = "USR1"
+PREEMPT_SIGNAL = "URG"
 
 try:  # submitit is a declared dependency; the import is kept lazy-safe for --help
     from submitit.helpers import Checkpointable, DelayedSubmission
@@ -56,7 +57,7 @@ def sbatch_parameters(plan: LaunchPlan, cpus_per_node: int | None) -> dict[str, 
     params: dict[str, Any] = dict(
         job_name=plan.job_name, nodes=plan.nodes_train + plan.nodes_rollout, ntasks_per_node=1,
         time=plan.time_min, signal_delay_s=plan.signal_lead_s, exclusive=True,
-        # submitit would write --signal=USR2@lead; the trainer checkpoints on USR1.
+        # submitit would write --signal=USR2@lead: USR2 kills every process that does not handle it.
         additional_parameters={"signal": f"{PREEMPT_SIGNAL}@{plan.signal_lead_s}", "mem": "0",
                                "requeue": True},
         setup=[f"export SUBMITIT_PREEMPT_SIGNAL={PREEMPT_SIGNAL}"],
@@ -105,6 +106,7 @@ class LayoutJob(Checkpointable):
     def __init__(self, plan: LaunchPlan):
         self.plan = plan
         self._signalled = threading.Event()
+        self._checkpoint_file: pathlib.Path | None = None
 
     def __call__(self) -> int:
         import submitit
@@ -118,8 +120,9 @@ class LayoutJob(Checkpointable):
             return nd.run_rollout_node(self.plan, alloc, rank - self.plan.nodes_train, stop=stop,
                                        stop_file=stop_file)
         self._chain_signals()
+        self._checkpoint_file = nd.checkpoint_request_path(self.plan.run_dir, alloc.job_id)
         try:
-            code = nd.run_trainer_node(self.plan, alloc, rank)
+            code = nd.run_trainer_node(self.plan, alloc, rank, checkpoint_file=self._checkpoint_file)
         finally:
             if rank == 0:
                 stop_file.parent.mkdir(parents=True, exist_ok=True)
@@ -134,20 +137,25 @@ class LayoutJob(Checkpointable):
         return code
 
     def _chain_signals(self) -> None:
-        """Note SIGTERM/SIGUSR1 (the ranks got them too) and keep submitit's own USR1 handler."""
-        prev_usr1 = signal.getsignal(signal.SIGUSR1)
+        """Note the preemption signal and SIGTERM, keeping submitit's own handler for the former."""
+        preempt = getattr(signal, f"SIG{PREEMPT_SIGNAL}")
+        prev = signal.getsignal(preempt)
 
-        def on_usr1(signum, frame):
+        def on_preempt(signum, frame):
             self._signalled.set()
-            if callable(prev_usr1):
-                prev_usr1(signum, frame)
+            if callable(prev):
+                prev(signum, frame)  # task 0: submitit -> self.checkpoint() -> requeue
 
-        signal.signal(signal.SIGUSR1, on_usr1)
+        signal.signal(preempt, on_preempt)
         signal.signal(signal.SIGTERM, lambda s, f: self._signalled.set())
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
-        """Task 0 on SIGUSR1: wait until the local ranks checkpointed and exited, then requeue."""
+        """Task 0, time limit near: ask every trainer node to checkpoint, wait for the local
+        ranks to exit, then let submitit requeue a fresh copy of the job."""
         self._signalled.set()
+        if self._checkpoint_file is not None:
+            self._checkpoint_file.parent.mkdir(parents=True, exist_ok=True)
+            self._checkpoint_file.touch()
         _wait_for_descendants(timeout_s=self.plan.shutdown_timeout_s + 30)
         return DelayedSubmission(LayoutJob(self.plan))
 
@@ -157,6 +165,7 @@ class LayoutJob(Checkpointable):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.plan = state["plan"]
         self._signalled = threading.Event()
+        self._checkpoint_file = None
 
 
 def _wait_for_descendants(timeout_s: float) -> None:

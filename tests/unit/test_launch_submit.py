@@ -40,11 +40,11 @@ def test_sbatch_asks_usr1_before_the_limit_and_requeue(tmp_path, experiment):
     text = sb.render_sbatch(plan, cpus_per_node=64, python="/venv/bin/python")
     flags = sbatch_flags(text)
     assert flags["nodes"] == "3" and flags["ntasks-per-node"] == "1"
-    assert flags["signal"] == "USR1@90"          # the trainer's checkpoint signal, not submitit's USR2
+    assert flags["signal"] == "URG@90"  # harmless step-wide (default: ignore), unlike submitit's USR2
     assert flags["time"] == "30" and flags["partition"] == "gpu" and flags["gpus-per-node"] == "8"
     assert flags["cpus-per-task"] == "64" and flags["mem"] == "0"
     assert "requeue" in flags and "exclusive" in flags
-    assert "export SUBMITIT_PREEMPT_SIGNAL=USR1" in text   # submitit's handler must listen to the same signal
+    assert "export SUBMITIT_PREEMPT_SIGNAL=URG" in text   # submitit's handler must listen to the same signal
     srun = next(line for line in text.splitlines() if line.startswith("srun "))
     assert srun.endswith(f"/venv/bin/python -u -m submitit.core._submit {tmp_path / 'run'}/launch/submitit/%j")
     assert "--container-image" not in srun
