@@ -12,7 +12,8 @@ setup:
 
 run:
 	@venv=$$(bash scripts/setup.sh | tail -n1) && \
-	  "$$venv/bin/python" -m sao_megatron.cli train --config configs/experiments/tiny_cpu.yaml --run-dir $(RUN_DIR) --resume auto
+	  "$$venv/bin/python" -m sao_megatron.cli train --config configs/experiments/tiny_cpu.yaml --run-dir $(RUN_DIR) --resume auto && \
+	  "$$venv/bin/python" -m sao_megatron.cli report $(RUN_DIR)
 
 test:
 	@venv=$$(bash scripts/setup.sh | tail -n1) && \

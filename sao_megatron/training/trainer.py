@@ -93,6 +93,8 @@ class Trainer:
                         return 0
             if not self.ckpt.latest() or self.ckpt.latest() != self.ckpt.final_dir(self.step):
                 self.save()
+            if self.rank0:
+                self._summary()
             return 0
         finally:
             self.close()
@@ -322,6 +324,16 @@ class Trainer:
         if path.is_file():
             keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] < self.step]
             path.write_text("".join(ln + "\n" for ln in keep))
+
+    def _summary(self) -> None:
+        """One line a person can check: did the reward go up over the run?"""
+        from sao_megatron.training.metrics_log import read_metrics
+
+        rewards = [r["reward/mean"] for r in read_metrics(self.run_dir) if isinstance(r.get("reward/mean"), float)]
+        if len(rewards) >= 10:
+            head, tail = rewards[: max(1, len(rewards) // 10)], rewards[-max(1, len(rewards) // 5):]
+            log.info("done: %d steps; reward/mean %.3f over the first 10%% of steps -> %.3f over the last 20%%",
+                     len(rewards), sum(head) / len(head), sum(tail) / len(tail))
 
     def _install_signal_handlers(self) -> None:
         def handler(signum, _frame):
