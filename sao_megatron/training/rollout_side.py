@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from sao_megatron.config import DataConfig, ModelConfig, RolloutConfig, SchedulerConfig
-from sao_megatron.envs import build_reward_schedule
 from sao_megatron.errors import SaoError
 from sao_megatron.envs.base import Task
 from sao_megatron.models.families import hf_config_from_model
@@ -103,7 +102,7 @@ class RolloutSide:
                                    f"(rollout.engine_urls) or the engine logs under {self.run_dir / 'logs'}")
         self.scheduler = AsyncScheduler.from_config(
             self.client, self.task, self.sched_cfg, self.data_cfg, self.cfg, group_size=self.group_size,
-            version=version, schedule=build_reward_schedule(self.data_cfg))
+            version=version)
         if scheduler_state is not None:
             self.scheduler.load_state_dict(scheduler_state)
         self.bridge.run(self.scheduler.start())

@@ -37,3 +37,37 @@ def test_first_step_loss_equal_at_tp2_and_ep2(tmp_path):
     for other in (tp2, ep2):
         for key in ("actor/loss", "critic/loss", "actor/grad_norm", "advantages/mean", "actor/entropy"):
             assert other[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+
+
+def test_non_finite_loss_is_skipped_then_stops(tmp_path):
+    out = tmp_path / "nan.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "e2e" / "mp_scripts" / "nan_guard.py"), str(CONFIG),
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["good_applied"] and r["changed_by_good"]
+    assert not r["bad_applied"] and r["unchanged_by_bad"]
+    assert "consecutive" in r["stopped"] and "run.max_nan_steps" in r["stopped"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.path=/nonexistent/prompts.jsonl", "/nonexistent/prompts.jsonl"),
+    ("data.max_prompt_tokens=2", "max_prompt_tokens"),
+])
+def test_bad_data_fails_before_training_with_one_line(tmp_path, override, message):
+    run_dir = tmp_path / "bad"
+    proc = subprocess.run([sys.executable, "-m", "sao_megatron.cli", "train", "--config", str(CONFIG), "--run-dir",
+                           str(run_dir), "--set", override], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("sao-megatron train: error:") and message in last
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_empty_dataset_is_refused(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "sao_megatron.cli", "train", "--config", str(CONFIG), "--run-dir",
+                           str(tmp_path / "run"), "--set", f"data.path={empty}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "empty" in proc.stderr.strip().splitlines()[-1].lower()
