@@ -121,3 +121,22 @@ def test_async_bridge_runs_coroutines_and_times_out():
             bridge.run(asyncio.sleep(5), timeout=0.05)
     finally:
         bridge.close()
+
+
+@pytest.mark.component
+def test_tensorboard_and_wandb_offline_sinks(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = LoggingConfig(tensorboard=True, wandb=True, wandb_mode="offline", log_interval=0)
+    logger = MetricsLogger(tmp_path, cfg, run_name="sinks", config_dict={"a": 1})
+    for step in range(3):
+        logger.log(step, {"reward/mean": 0.1 * step, "train/token_lag_hist": {"0": 3}})
+    logger.close()
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [round(e.value, 3) for e in acc.Scalars("reward/mean")] == [0.0, 0.1, 0.2]
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
