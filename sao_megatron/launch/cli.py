@@ -56,28 +56,31 @@ def run(args: argparse.Namespace) -> int:
         partition = sb.validate(plan, query_cluster=True)
     except SlurmUnavailable as exc:
         if not args.dry_run:
-            print(f"sao-megatron launch: error: cannot submit: {exc}", file=sys.stderr)
+            sys.stderr.write(f"sao-megatron launch: error: cannot submit: {exc}\n")
             return 2
-        print(f"sao-megatron launch: note: partition size not checked ({exc})", file=sys.stderr)
+        sys.stderr.write(f"sao-megatron launch: note: partition size not checked ({exc})\n")
         partition = None
     except ValueError as exc:  # includes ConfigError: bad input, nothing was submitted
-        print(f"sao-megatron launch: error: {exc}", file=sys.stderr)
+        sys.stderr.write(f"sao-megatron launch: error: {exc}\n")
         return 2
     if args.dry_run:
         cpus = partition.cpus_per_node if partition else None
         sys.stdout.write(sb.render_sbatch(plan, cpus, "python" if plan.container_image else sys.executable))
         return 0
     job = sb.submit(plan, partition)
-    print(f"submitted job {job.job_id}")
-    print(f"  run dir:      {plan.run_dir}")
-    print(f"  job log:      {job.paths.stdout}  (stderr: {job.paths.stderr})")
-    print(f"  node logs:    {sb.submitit_folder(plan) / job.job_id}/{job.job_id}_<task>_log.out (task = node index)")
+    sys.stdout.write(f"submitted job {job.job_id}\n"
+                     f"  run dir:      {plan.run_dir}\n"
+                     f"  job log:      {job.paths.stdout}  (stderr: {job.paths.stderr})\n"
+                     f"  node logs:    {sb.submitit_folder(plan) / job.job_id}/{job.job_id}_<task>_log.out "
+                     f"(task = node index; trainer nodes first)\n"
+                     f"  metrics:      {plan.run_dir}/metrics.jsonl (checkpoints in {plan.run_dir}/checkpoints)\n")
+    sys.stdout.flush()
     if not args.wait:
         return 0
     try:
         sb.wait_for(job)
     except Exception as exc:  # submitit re-raises the job's failure
-        print(f"job {job.job_id} failed: {exc}", file=sys.stderr)
+        sys.stderr.write(f"job {job.job_id} failed: {exc}\n")
         return 1
-    print(f"job {job.job_id} finished")
+    sys.stdout.write(f"job {job.job_id} finished\n")
     return 0

@@ -54,6 +54,8 @@ class Allocation:
     """Where the layout's pieces are in the running job."""
 
     job_id: int
+    restart: int
+    """SLURM_RESTART_COUNT: 0 for the first run of the job, +1 per requeue."""
     train_addrs: list[str]
     rollout_addrs: list[str]
     port_base: int
@@ -70,7 +72,8 @@ def allocation_from_slurm(plan: LaunchPlan, env: dict[str, str] | None = None) -
         raise ValueError(f"the job has {len(names)} nodes but the layout needs {needed}")
     addrs = node_addresses(names[:needed])
     job_id = int(env["SLURM_JOB_ID"])
-    return Allocation(job_id=job_id, train_addrs=addrs[:plan.nodes_train],
+    return Allocation(job_id=job_id, restart=int(env.get("SLURM_RESTART_COUNT", "0")),
+                      train_addrs=addrs[:plan.nodes_train],
                       rollout_addrs=addrs[plan.nodes_train:needed], port_base=lp.port_base(job_id))
 
 
@@ -175,10 +178,9 @@ def _forward_checkpoint_request(torchrun: subprocess.Popen, request: pathlib.Pat
         time.sleep(1.0)
 
 
-def checkpoint_request_path(run_dir: str, job_id: int) -> pathlib.Path:
+def checkpoint_request_path(run_dir: str, alloc: Allocation) -> pathlib.Path:
     """Touching it asks every trainer node of this run of the job to checkpoint and exit."""
-    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-    return pathlib.Path(run_dir) / "launch" / f"checkpoint-{job_id}-{restart}"
+    return pathlib.Path(run_dir) / "launch" / f"checkpoint-{alloc.job_id}-{alloc.restart}"
 
 
 def _start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -242,10 +244,9 @@ def _serve(procs: list[subprocess.Popen], stop: threading.Event, stop_file: path
     return 0
 
 
-def stop_file_path(run_dir: str, job_id: int) -> pathlib.Path:
+def stop_file_path(run_dir: str, alloc: Allocation) -> pathlib.Path:
     """Written when training ends, so the rollout nodes of that run of the job shut down."""
-    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-    return pathlib.Path(run_dir) / "launch" / f"stop-{job_id}-{restart}"
+    return pathlib.Path(run_dir) / "launch" / f"stop-{alloc.job_id}-{alloc.restart}"
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:

@@ -113,14 +113,14 @@ class LayoutJob(Checkpointable):
 
         rank = submitit.JobEnvironment().global_rank
         alloc = nd.allocation_from_slurm(self.plan)
-        stop_file = nd.stop_file_path(self.plan.run_dir, alloc.job_id)
+        stop_file = nd.stop_file_path(self.plan.run_dir, alloc)
         if rank >= self.plan.nodes_train:
             stop = threading.Event()
             signal.signal(signal.SIGTERM, lambda s, f: stop.set())
             return nd.run_rollout_node(self.plan, alloc, rank - self.plan.nodes_train, stop=stop,
                                        stop_file=stop_file)
         self._chain_signals()
-        self._checkpoint_file = nd.checkpoint_request_path(self.plan.run_dir, alloc.job_id)
+        self._checkpoint_file = nd.checkpoint_request_path(self.plan.run_dir, alloc)
         try:
             code = nd.run_trainer_node(self.plan, alloc, rank, checkpoint_file=self._checkpoint_file)
         finally:

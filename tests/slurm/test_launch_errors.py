@@ -45,3 +45,17 @@ def test_bad_input_fails_at_submit_time(case, tmp_path, tiny_config, slurm_clust
     assert expected in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "submitted job" not in proc.stdout and name not in queue_names()
+
+
+def test_dry_run_prints_the_sbatch_and_submits_nothing(tmp_path, tiny_config, slurm_cluster):
+    name = "sao-dry-run"
+    proc = launch("--config", str(tiny_config), "--run-dir", str(tmp_path / "run"), "--nodes-train", "2",
+                  "--nodes-rollout", "1", "--job-name", name, "--time", "1:30:00", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("#!/bin/bash")
+    cpus = min(int(c) for c in subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True,
+                                                check=True, timeout=60).stdout.split())
+    for line in ("#SBATCH --nodes=3", "#SBATCH --time=90", f"#SBATCH --job-name={name}", "#SBATCH --requeue",
+                 f"#SBATCH --cpus-per-task={cpus}"):  # a task per node gets the whole node's CPUs
+        assert line in proc.stdout.splitlines()
+    assert name not in queue_names()

@@ -29,21 +29,42 @@ def test_tiny_cpu_job_completes_on_two_nodes(tmp_path, tiny_config, jobs):
     assert "serve-local --model-dir " + str(run_dir / "launch" / "engine_init") in rollout_log
 
 
-def test_requeue_resumes_from_checkpoint_exactly_once(tmp_path, engine_dir, jobs):
-    num_steps = 14  # long enough that the requeue lands mid-run
+def test_time_limit_then_preemption_resume_exactly_once(tmp_path, engine_dir, jobs):
+    """Run 0 gets the time-limit signal (SIGUSR1 to the batch script, as --signal=B:USR1 sends it):
+    the trainer checkpoints, exits and the job requeues itself. Run 1 is requeued from outside
+    (`scontrol requeue`, SIGTERM everywhere). Run 2 finishes; no prompt is lost or trained twice."""
+    num_steps = 16  # long enough that both interruptions land mid-run
     config = write_tiny_config(tmp_path / "tiny.yaml", run={"num_steps": num_steps})
     run_dir = tmp_path / "run"
     jobs.append(job_id := submit_sbatch(run_dir, config, env={"ENGINE_MODEL_DIR": str(engine_dir)}))
+    train_log = run_dir / "logs" / f"train-{job_id}-0.log"
+
     wait_for(lambda: latest_checkpoint(run_dir) is not None, timeout_s=600, what="the first checkpoint")
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=60)
+    wait_for(lambda: len(resumes(train_log)) == 1, timeout_s=600, what="run 1 to resume")
+    saved_on_signal = re.search(r"signal 10: checkpointed at step (\d+)", train_log.read_text())
+    assert saved_on_signal, "the trainer did not checkpoint on the time-limit signal"
+    assert resumes(train_log)[0] == int(saved_on_signal.group(1))  # resumed from exactly that checkpoint
+
+    # Requeue run 1 once it has saved past its resume point.
+    wait_for(lambda: checkpoint_step(run_dir) > resumes(train_log)[0], timeout_s=600, what="run 1 to save")
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
-    requeued_at = latest_checkpoint(run_dir)
-    info = wait_for_state(job_id, FINAL_STATES, timeout_s=600)
+    info = wait_for_state(job_id, FINAL_STATES, timeout_s=900)
     out = (run_dir / f"slurm-{job_id}.out").read_text()
     assert info["JobState"] == "COMPLETED", out
-    assert info["Restarts"] == "1" and "restart 1" in out
-    train_log = (run_dir / "logs" / f"train-{job_id}-0.log").read_text()
-    resumed = re.search(r"resumed from \S+step_(\d+) \(step (\d+)", train_log)
-    assert resumed, "the requeued run did not resume from a checkpoint"
-    assert 0 < int(resumed.group(2)) < num_steps and int(resumed.group(2)) >= int(requeued_at.name[5:])
+    assert info["Restarts"] == "2" and "restart 2" in out
+    assert out.count("requeueing job") == 1  # the script requeued only on the time limit
+    assert len(resumes(train_log)) == 2 and resumes(train_log)[1] > resumes(train_log)[0]
     state = assert_run_complete(run_dir, num_steps)
     assert_exactly_once(run_dir, state)
+
+
+def resumes(train_log) -> list[int]:
+    """Steps the trainer resumed from, in order."""
+    text = train_log.read_text() if train_log.exists() else ""
+    return [int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)", text)]
+
+
+def checkpoint_step(run_dir) -> int:
+    ckpt = latest_checkpoint(run_dir)
+    return int(ckpt.name.removeprefix("step_")) if ckpt else -1
