@@ -542,3 +542,32 @@ def test_token_rewards_and_serialisation():
     assert back.to_dict() == s.to_dict() and back.routed_experts.shape == (8, 1, 3)
     with pytest.raises(ValueError, match="disagree"):
         Sample(prompt_ids=[1], response_ids=[1, 2], action_mask=[1], rollout_logprobs=[0.0], versions=[0])
+
+
+def test_reward_phases_switch_target_at_the_given_version():
+    from sao_megatron.config.schema import DataConfig, RewardPhase, RolloutConfig
+
+    task = ArithmeticTask(num_prompts=64, options={"min_operand": 10, "max_operand": 40})
+    answers = {tuple(p.input_ids): p.meta["answer"] for p in task.prompts()}
+    data = DataConfig(phases=[RewardPhase(start_version=2, target="reverse")], reward_workers=1)
+
+    async def run():
+        c = FakeClient(script=lambda ids: TOK.encode(answers[tuple(ids)]) + [TOK.eos_id])  # always the plain answer
+        s = AsyncScheduler.from_config(c, task, SchedulerConfig(batch_size=4, concurrency=4, max_staleness=0),
+                                       data, RolloutConfig(max_new_tokens=8))
+        await s.start()
+        out = []
+        for v in range(4):
+            batch = await s.next_batch()
+            out.append((v, batch, s.metrics()))
+            await s.on_weights_updated(v + 1)
+        await s.stop()
+        return out
+    for v, batch, m in asyncio.run(run()):
+        phase = 0 if v < 2 else 1
+        assert all(x.phase == phase for x in batch)
+        for x in batch:
+            ans = answers[tuple(x.prompt_ids)]
+            assert (x.reward == 1.0) == (phase == 0 or ans == ans[::-1])  # "reverse" wants the digits backwards
+        assert m[f"rollout/reward_mean/phase_{phase}"] == pytest.approx(sum(x.reward for x in batch) / 4)
+        assert f"rollout/reward_mean/phase_{1 - phase}" not in m
