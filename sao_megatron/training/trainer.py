@@ -103,12 +103,12 @@ class Trainer:
         t0 = time.perf_counter()
         samples = self._next_batch()
         t1 = time.perf_counter()
+        self._audit(samples, phase="rl")  # at the version the samples were consumed (trained) at
         metrics = self._update(samples)
         t2 = time.perf_counter()
         if metrics.pop("_applied"):
             self.version += 1
             metrics |= self._sync_weights()
-        self._audit(samples, phase="rl")
         self.step += 1
         metrics |= {"version": self.version, "timing/wait_batch_s": t1 - t0, "timing/train_s": t2 - t1,
                     "timing/step_s": time.perf_counter() - t0}
@@ -309,7 +309,10 @@ class Trainer:
             self.logger.log(self.step - 1, metrics)
 
     def _audit(self, samples: list[Sample], *, phase: str) -> None:
-        """RUN_DIR/audit.jsonl: one line per trained sample (exactly-once checks, staleness audit)."""
+        """RUN_DIR/audit.jsonl: one line per trained sample (exactly-once checks, staleness audit).
+
+        ``version`` is the trainer version the sample was trained at; lines of steps after the
+        last checkpoint are dropped on resume (those samples are trained again)."""
         if not self.rank0:
             return
         with (self.run_dir / "audit.jsonl").open("a") as f:
