@@ -195,7 +195,7 @@ def router_argv(*, python: str, host: str, port: int, worker_urls: list[str], mo
     """sglang-router in front of the engines: retries off, so a failed generation surfaces instead of
     silently running twice; a local tokenizer, so it never reaches for the HF hub."""
     argv = [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-            "--worker-urls", *worker_urls, "--policy", "cache_aware", "--disable-retries",
+            "--worker-urls", *worker_urls, "--policy", "cache_aware", "--disable-retries", "--log-level", "warn",
             "--request-timeout-secs", str(int(request_timeout_s)), "--tokenizer-path", model_dir,
             "--prometheus-host", host,
             "--prometheus-port", str(port - ROUTER_PORT_OFFSET + PROMETHEUS_PORT_OFFSET)]

@@ -39,8 +39,8 @@ def submit_sbatch(run_dir: pathlib.Path, config: pathlib.Path, *extra: str, node
                   env: dict[str, str] | None = None) -> str:
     """Submit slurm/sao_rl.sbatch (1 rollout node, the rest trainer) from the repo root; returns the job id."""
     run_dir.mkdir(parents=True, exist_ok=True)  # Slurm opens --output but creates no directories
-    job_env = dict(os.environ, CONFIG=str(config), RUN_DIR=str(run_dir), NODES_ROLLOUT="1",
-                   PYTHON=sys.executable, **(env or {}))
+    job_env = {**os.environ, "CONFIG": str(config), "RUN_DIR": str(run_dir), "NODES_ROLLOUT": "1",
+               "PYTHON": sys.executable, **(env or {})}
     out = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", "--time=20",
                           f"--output={run_dir}/slurm-%j.out", str(SBATCH), *extra],
                          cwd=REPO, env=job_env, capture_output=True, text=True, timeout=60, check=True)

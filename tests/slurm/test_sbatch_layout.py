@@ -13,10 +13,21 @@ from slurm_helpers import (FINAL_STATES, TINY_OVERRIDES, assert_exactly_once, as
 pytestmark = pytest.mark.slurm
 
 
-def test_tiny_cpu_job_completes_on_two_nodes(tmp_path, tiny_config, jobs):
-    run_dir = tmp_path / "run"
-    jobs.append(job_id := submit_sbatch(run_dir, tiny_config))
-    info = wait_for_state(job_id, FINAL_STATES, timeout_s=600)
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory, slurm_cluster):
+    """The tiny job submitted once, without engine weights (the job builds them): (run dir, job id, info)."""
+    root = tmp_path_factory.mktemp("plain")
+    run_dir = root / "run"
+    job_id = submit_sbatch(run_dir, write_tiny_config(root / "tiny.yaml"))
+    try:
+        info = wait_for_state(job_id, FINAL_STATES, timeout_s=600)
+    finally:
+        subprocess.run(["scancel", job_id], check=False, timeout=60)
+    return run_dir, job_id, info
+
+
+def test_tiny_cpu_job_completes_on_two_nodes(plain_run):
+    run_dir, job_id, info = plain_run
     assert info["JobState"] == "COMPLETED", (run_dir / f"slurm-{job_id}.out").read_text()
     assert info["NumNodes"] == "2" and info["Restarts"] == "0"
     state = assert_run_complete(run_dir, TINY_OVERRIDES["run"]["num_steps"])
@@ -27,6 +38,18 @@ def test_tiny_cpu_job_completes_on_two_nodes(tmp_path, tiny_config, jobs):
     assert re.search(r'rollout\.engine_urls=\["http://127\.0\.0\.1:\d+"\]', train_log)
     rollout_log = (run_dir / "logs" / f"rollout-{job_id}-0.log").read_text()
     assert "serve-local --model-dir " + str(run_dir / "launch" / "engine_init") in rollout_log
+
+
+def test_engines_generate_with_the_trainers_weights_from_the_start(plain_run):
+    """Engines on rollout nodes start from their own weights (here random ones); the trainer must load
+    its version-0 export into them before the first rollout, or version-0 samples come from another
+    policy (and after a requeue, from the start weights instead of the resumed actor)."""
+    run_dir, job_id, info = plain_run
+    rollout_log = (run_dir / "logs" / f"rollout-{job_id}-0.log").read_text()
+    first_update = re.search(r"weights updated from \S+/weights/v(\d+)", rollout_log)
+    assert first_update and int(first_update.group(1)) == 0, (
+        "the engines never loaded the trainer's initial weights (weights/v000000): with "
+        "rollout.engine=sglang the trainer must push them (update_weights_from_disk) after the health check")
 
 
 def test_time_limit_then_preemption_resume_exactly_once(tmp_path, engine_dir, jobs):
