@@ -123,14 +123,16 @@ def _become_subreaper() -> None:
         log.warning("could not become child subreaper; ranks orphaned by torchrun are not waited for")
 
 
-def _reap_all(first: subprocess.Popen) -> int:
-    """Wait for ``first`` and then for every other descendant re-parented to us."""
+def _reap_all(first: subprocess.Popen, others_before: set[int]) -> int:
+    """Wait for ``first``, then for its descendants re-parented to us (not our older children)."""
     code = first.wait()
-    while True:
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            return code
+    while rest := [c.pid for c in psutil.Process().children() if c.pid not in others_before]:
+        for pid in rest:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+    return code
 
 
 def run_trainer_node(plan: LaunchPlan, alloc: Allocation, node_rank: int, *,
@@ -146,12 +148,13 @@ def run_trainer_node(plan: LaunchPlan, alloc: Allocation, node_rank: int, *,
                            wait_for=engine_urls + ([router_url] if router_url else []))
     log.info("trainer node %d: %s", node_rank, " ".join(argv))
     _become_subreaper()
+    others = {c.pid for c in psutil.Process().children()}
     # torchrun would die on a stray SIGUSR1 and the step would take the ranks down with it.
     proc = subprocess.Popen(argv, preexec_fn=_ignore_checkpoint_signals)
     if checkpoint_file is not None:
         threading.Thread(target=_forward_checkpoint_request, args=(proc, checkpoint_file), daemon=True,
                          name="checkpoint-request").start()
-    code = _reap_all(proc)
+    code = _reap_all(proc, others)
     log.info("trainer node %d: torchrun exited with %d", node_rank, code)
     return code
 

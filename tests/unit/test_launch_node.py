@@ -59,3 +59,27 @@ def test_endpoints_of_an_allocation():
     single = LaunchPlan(config="/c.yaml", run_dir="/r", nodes_rollout=1)
     assert nd.endpoints(single, nd.Allocation(job_id=7, restart=0, train_addrs=["t0"], rollout_addrs=["r0"],
                                               port_base=base)) == ([f"http://r0:{base}"], None)
+
+
+def test_trainer_runner_outlives_ranks_orphaned_by_torchrun():
+    """If torchrun exits first, its ranks are re-parented to the runner, which waits for them: the
+    runner's own exit would end the Slurm step and kill a rank mid-checkpoint. Run in a child
+    process so that this test process does not become a subreaper."""
+    import subprocess
+    import sys
+
+    script = """
+import subprocess, sys, time
+from sao_megatron.launch import node
+node._become_subreaper()
+# 'torchrun' stand-in: starts a 'rank' that outlives it by 1.5 s, then exits at once
+first = subprocess.Popen([sys.executable, "-c",
+    "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1.5)'])"])
+t0 = time.monotonic()
+code = node._reap_all(first, set())
+print(code, round(time.monotonic() - t0, 1))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    code, waited = out.stdout.split()
+    assert code == "0" and float(waited) >= 1.4
