@@ -37,19 +37,19 @@ def _moving_average(ys: list[float], window: int) -> list[float]:
     return out
 
 
-def _staleness_counts(records: list[dict[str, Any]]) -> Counter:
-    """Sum per-step histograms ``rollout/staleness_hist`` ({lag: count} or a list indexed by lag)."""
-    counts: Counter = Counter()
+def _staleness_counts(records: list[dict[str, Any]]) -> tuple[Counter, str]:
+    """Trained action tokens per version lag (``train/token_lag_hist``, {lag: tokens} per step); for
+    runs without it, samples per lag from the scheduler (``rollout/staleness_hist/<lag>``)."""
+    tokens: Counter = Counter()
+    samples: Counter = Counter()
     prefix = "rollout/staleness_hist/"
-    for r in records:  # the scheduler logs one key per lag: rollout/staleness_hist/<lag>
-        counts.update({int(k[len(prefix):]): int(v) for k, v in r.items()
-                       if k.startswith(prefix) and isinstance(v, (int, float))})
-        hist = r.get("rollout/staleness_hist")
+    for r in records:
+        hist = r.get("train/token_lag_hist")
         if isinstance(hist, dict):
-            counts.update({int(k): int(v) for k, v in hist.items()})
-        elif isinstance(hist, list):
-            counts.update({lag: int(v) for lag, v in enumerate(hist)})
-    return counts
+            tokens.update({int(k): int(v) for k, v in hist.items()})
+        samples.update({int(k[len(prefix):]): int(v) for k, v in r.items()
+                        if k.startswith(prefix) and isinstance(v, (int, float))})
+    return (tokens, "action tokens") if tokens else (samples, "samples")
 
 
 def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None = None) -> list[pathlib.Path]:
@@ -80,14 +80,12 @@ def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None
     save(fig, "reward.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    counts = _staleness_counts(records)
-    if counts:
-        lags = sorted(counts)
-        ax.bar(lags, [counts[k] for k in lags])
-    else:
-        xs, ys = _series(records, "rollout/staleness_max")
-        ax.hist(ys, bins=max(1, int(max(ys, default=0)) + 1))
-    ax.set(xlabel="version lag (trainer version - token version)", ylabel="tokens", title="Staleness")
+    counts, unit = _staleness_counts(records)
+    lags = sorted(counts)
+    ax.bar(lags, [counts[k] for k in lags])
+    ax.set_xticks(lags)
+    ax.set(xlabel="version lag (trainer version at training - version that generated it)", ylabel=unit,
+           title="Staleness of trained data")
     save(fig, "staleness_hist.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
