@@ -28,12 +28,18 @@ die() { log "error: $*"; exit 1; }
 node_names() { local i; for ((i = 1; i <= NUM_NODES; i++)); do echo "n$i"; done; }
 slurmd_pid_file() { echo "$ROOT/run/slurmd-$1.pid"; }
 
-# A pid file's process is alive unless it is gone or a zombie (exited daemons linger as Z here).
+# A pid file's daemon is alive unless it is gone or a zombie (exited daemons linger as Z here).
 alive() {
   local pid_file="$1" pid state
-  [ -s "$pid_file" ] || return 1
-  pid="$(cat "$pid_file")"
-  [ -r "/proc/$pid/stat" ] || return 1
+  pid="$(cat "$pid_file" 2>/dev/null)" || return 1  # daemons remove their own pid file on exit
+  [ -n "$pid" ] && [ -r "/proc/$pid/stat" ] || return 1
+  # A stale pid file may name a reused pid: only our daemons' binaries count.
+  local exe
+  exe="$(readlink "/proc/$pid/exe" 2>/dev/null)" || return 1
+  case " $(readlink -f /usr/sbin/munged /usr/sbin/slurmctld /usr/sbin/slurmd | tr '\n' ' ')" in
+    *" $exe "*) ;;
+    *) return 1 ;;
+  esac
   state="$(sed -E 's/^[0-9]+ \(.*\) ([A-Za-z]).*/\1/' "/proc/$pid/stat" 2>/dev/null)" || return 1
   [ "$state" != "Z" ]
 }
@@ -145,7 +151,7 @@ wait_idle() {
 stop_pid_file() {
   local pid_file="$1" pid
   alive "$pid_file" || { rm -f "$pid_file"; return; }
-  pid="$(cat "$pid_file")"
+  pid="$(cat "$pid_file" 2>/dev/null)" || return 0
   kill -TERM "$pid" 2>/dev/null || true
   for _ in $(seq 100); do alive "$pid_file" || { rm -f "$pid_file"; return; }; sleep 0.1; done
   kill -KILL "$pid" 2>/dev/null || true
