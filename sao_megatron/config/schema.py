@@ -231,6 +231,8 @@ class RolloutConfig:
     """Generation budget per turn."""
     request_timeout_s: float = 600.0
     """Timeout for one /generate request."""
+    startup_timeout_s: float = 120.0
+    """How long the trainer waits for external engines (rollout.engine=sglang) to answer /health."""
     weight_sync: Literal["disk", "nccl"] = "disk"
     """disk: safetensors + update_weights_from_disk; nccl: update_weights_from_distributed."""
     weight_sync_bucket_mb: int = 512

@@ -160,8 +160,9 @@ class LocalEngines:
             proc.wait(10)
 
     def stop(self) -> None:
+        # Engines hold no state worth a graceful drain: do not let shutdown dominate a requeue.
         for proc in self.processes:
-            _stop_process(proc)
+            _stop_process(proc, timeout=3.0)
 
     def __enter__(self) -> LocalEngines:
         self.start()

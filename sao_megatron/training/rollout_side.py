@@ -50,8 +50,9 @@ def write_hf_template(model_cfg: ModelConfig, task: Task, out_dir: pathlib.Path)
     return out_dir
 
 
-def check_reachable(rollout: RolloutConfig, timeout_s: float = 10.0) -> None:
-    """Fail fast (before any training) when configured SGLang servers or router do not answer /health."""
+def check_reachable(rollout: RolloutConfig) -> None:
+    """Before any training: every configured SGLang server (and router) answers /health within
+    ``rollout.startup_timeout_s`` (servers launched beside the trainer may still be loading)."""
     import httpx
 
     if rollout.engine != "sglang":
@@ -59,15 +60,20 @@ def check_reachable(rollout: RolloutConfig, timeout_s: float = 10.0) -> None:
     if not rollout.engine_urls:
         raise EngineStartError("rollout.engine=sglang needs rollout.engine_urls (one URL per SGLang server)")
     headers = {"Authorization": f"Bearer {rollout.api_key}"} if rollout.api_key else {}
+    deadline = time.monotonic() + rollout.startup_timeout_s
     for url in [*rollout.engine_urls, *([rollout.router_url] if rollout.router_url else [])]:
-        try:
-            reply = httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s, headers=headers)
-        except httpx.HTTPError as exc:
-            raise EngineStartError(f"rollout engine {url} is unreachable ({type(exc).__name__}: {exc}); start "
-                                   "the SGLang servers first or fix rollout.engine_urls / rollout.router_url") from exc
-        if reply.status_code != 200:
-            raise EngineStartError(f"rollout engine {url} answered /health with HTTP {reply.status_code}: "
-                                   f"{reply.text[:200]}")
+        while True:
+            try:
+                reply = httpx.get(f"{url.rstrip('/')}/health", timeout=10.0, headers=headers)
+                problem = None if reply.status_code == 200 else f"HTTP {reply.status_code}: {reply.text[:200]}"
+            except httpx.HTTPError as exc:
+                problem = f"unreachable ({type(exc).__name__}: {exc})"
+            if problem is None:
+                break
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"rollout engine {url} is {problem} after {rollout.startup_timeout_s:.0f} s; "
+                                       "start the SGLang servers first or fix rollout.engine_urls / router_url")
+            time.sleep(2.0)
 
 
 class RolloutSide:
@@ -100,6 +106,10 @@ class RolloutSide:
         if dead:
             raise EngineStartError(f"rollout engines not healthy: {dead}. Check that the servers are up "
                                    f"(rollout.engine_urls) or the engine logs under {self.run_dir / 'logs'}")
+        if self.cfg.engine == "sglang":
+            # External servers started from their own weights: serve the actor's (initial or resumed)
+            # weights before the first rollout, tagged with the trainer's version.
+            self.bridge.run(self.client.update_weights_from_disk(str(model_dir), weight_version=version))
         self.scheduler = AsyncScheduler.from_config(
             self.client, self.task, self.sched_cfg, self.data_cfg, self.cfg, group_size=self.group_size,
             version=version)

@@ -132,6 +132,7 @@ def engines_of(run_dir) -> list[str]:
 def test_unreachable_engine_fails_before_training(tmp_path):
     run_dir = tmp_path / "noengine"
     proc = subprocess.run(train_cmd(run_dir, "rollout.engine=sglang", "rollout.engine_urls=[http://127.0.0.1:9]",
+                                    "rollout.startup_timeout_s=3",
                                     "run.sft_steps=0"), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
