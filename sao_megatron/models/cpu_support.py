@@ -183,7 +183,33 @@ class CudaToCpuMode(TorchFunctionMode):
             kwargs["device"] = torch.device("cpu")
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
+        if func in (torch.autograd.backward, torch.Tensor.backward):
+            return self._backward(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _backward(self, func, args, kwargs):
+        """Run the autograd engine with this mode active.
+
+        A mode is popped while its handler runs, and torch.autograd.backward dispatches to the
+        mode: calling it from here would run Megatron's custom autograd backwards (alltoall, SP
+        gathers allocate on ``torch.cuda.current_device()``) unmapped. Megatron's schedules call
+        the engine directly (deallocate_pipeline_outputs=True, see models.builder); this covers
+        a plain ``loss.backward()``.
+        """
+        names = ("gradient" if func is torch.Tensor.backward else "grad_tensors", "retain_graph", "create_graph")
+        params = dict(zip(names, args[1:])) | kwargs
+        if params.get("inputs") is not None:
+            return func(*args, **kwargs)  # partial backward: rare, leave to torch
+        tensors = args[0] if isinstance(args[0], (tuple, list)) else (args[0],)
+        grads = params.get(names[0])
+        grads = grads if isinstance(grads, (tuple, list)) else (grads,) * len(tensors)
+        grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads))
+        create = bool(params.get("create_graph", False))
+        retain = params.get("retain_graph")
+        with self:
+            torch.autograd.Variable._execution_engine.run_backward(
+                tensors=tuple(tensors), grad_tensors=grads, keep_graph=create if retain is None else retain,
+                create_graph=create, inputs=(), allow_unreachable=True, accumulate_grad=True)
 
 
 def _shim_device_mode() -> None:

@@ -3,7 +3,8 @@
 Tensors are identified by their global sharded keys (layer numbers are global,
 TP/EP/PP shards are described by offsets), so a checkpoint written with one
 layout (TP2×EP2, PP2 with VPP, ...) loads into any other. The distributed
-optimizer state is saved ``fully_reshardable`` for the same reason.
+optimizer state is saved ``fully_reshardable`` for the same reason; it reshards
+between layouts that agree on EP > 1 vs EP = 1 (Megatron's optimizer chain).
 
 Every rank must call these collectively. Entry scripts need an
 ``if __name__ == "__main__":`` guard: saving starts a multiprocessing manager.
@@ -23,8 +24,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
-"""Distributed-optimizer state format that reshards across TP/PP/EP/DP on load."""
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+"""Optimizer state in model space: reshards across TP/PP/EP/DP on load, with no per-layout key prefixes
+(a chained dense+expert optimizer would otherwise prefix keys by its position in the chain)."""
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -96,7 +98,14 @@ def load_checkpoint(path: str | pathlib.Path, model_chunks: Sequence[torch.nn.Mo
             raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        try:
+            optimizer.load_state_dict(loaded["optimizer"])
+        except (KeyError, RuntimeError) as exc:
+            raise ValueError(
+                f"optimizer state in {path} does not fit this layout ({exc!r}). Megatron keeps expert "
+                "parameters in a separate optimizer only when expert_model_parallel_size > 1: optimizer "
+                "state reshards between layouts that both have EP > 1 or both EP = 1. Load the model "
+                "only (optimizer=None) to switch between them.") from exc
     logger.info("loaded checkpoint %s", path)
     return loaded.get("extra")
 

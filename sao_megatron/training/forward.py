@@ -4,7 +4,7 @@ Micro-batch format: a dict with ``tokens`` [b, s] (right-padded), optional
 ``position_ids`` [b, s] (default 0..s-1) and any per-task tensors the loss
 needs. Attention is causal only: with right padding, real tokens never attend
 to padding, so no padding mask is needed. Shapes may differ between
-micro-batches (pipeline stages exchange shapes; see builder's variable_seq_lengths).
+micro-batches (padded to a common shape where the pipeline schedule needs one).
 
 Loss convention: ``loss_fn(output, microbatch) -> (loss, metrics)`` returns this
 micro-batch's share of the global objective, already normalised by global
@@ -58,9 +58,6 @@ def check_microbatches(microbatches: Sequence[MicroBatch], ctx: ParallelContext,
         if config.sequence_parallel and shape[1] % ctx.tp_size:
             raise ValueError(f"sequence length {shape[1]} is not a multiple of TP={ctx.tp_size} (sequence "
                              f"parallel): pad micro-batches to a multiple of {ctx.tp_size}")
-    if ctx.pp_size > 1 and not config.variable_seq_lengths and len(shapes) > 1:
-        raise ValueError(f"pipeline parallel with the allgather dispatcher needs equal micro-batch shapes, got "
-                         f"{sorted(shapes)}: pad them equally or use model.moe_token_dispatcher_type=alltoall")
     if ctx.vpp_size and ctx.pp_size > 1 and len(microbatches) % ctx.pp_size:
         raise ValueError(f"interleaved pipeline needs a number of micro-batches divisible by PP={ctx.pp_size}, "
                          f"got {len(microbatches)}")
@@ -78,20 +75,24 @@ def forward_backward(model_chunks: Sequence[torch.nn.Module], microbatches: Sequ
     config = get_model_config(model_chunks[0])
     check_microbatches(microbatches, ctx, config)
     use_mask = not transformer_engine_usable()  # local attention needs an explicit mask on CPU
+    max_b = max(mb["tokens"].shape[0] for mb in microbatches)
+    max_s = max(mb["tokens"].shape[1] for mb in microbatches)
+    # Pipeline stages exchange activation shapes only with variable_seq_lengths (off for interleaved
+    # PP, where Megatron's shape exchange deadlocks on gloo, and for the allgather dispatcher): then
+    # every micro-batch is padded to one [max_b, max_s] shape and outputs are cut back for loss_fn.
+    fixed = ctx.pp_size > 1 and not config.variable_seq_lengths
+    inputs = [_pad_inputs(mb, max_b, max_s) if fixed else _inputs(mb) for mb in microbatches]
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        tokens = mb["tokens"]
+        (tokens, position_ids), mb = next(data_iterator)
         mask = causal_mask(tokens.shape[1], tokens.device) if use_mask else None
-        output = model(tokens, position_ids_of(mb), mask)
+        output = model(tokens, position_ids, mask)
         return output, functools.partial(_megatron_loss, loss_fn, mb)
 
     kwargs = dict(
         forward_step_func=forward_step, model=list(model_chunks), num_microbatches=len(microbatches),
-        data_iterator=[iter(microbatches) for _ in model_chunks],
-        seq_length=max(mb["tokens"].shape[1] for mb in microbatches),
-        micro_batch_size=max(mb["tokens"].shape[0] for mb in microbatches),
-        forward_only=forward_only, pg_collection=ctx.pg)
+        data_iterator=[iter(list(zip(inputs, microbatches))) for _ in model_chunks],
+        seq_length=max_s, micro_batch_size=max_b, forward_only=forward_only, pg_collection=ctx.pg)
     if ctx.pp_size > 1:
         kwargs["p2p_communicator"] = P2PCommunicator(pp_group=ctx.pp_group, config=config)
     schedule = get_forward_backward_func(pp_size=ctx.pp_size, vp_size=ctx.vpp_size if ctx.pp_size > 1 else None)
@@ -99,8 +100,23 @@ def forward_backward(model_chunks: Sequence[torch.nn.Module], microbatches: Sequ
         return list(schedule(**kwargs))
 
 
+def _inputs(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    return mb["tokens"], position_ids_of(mb)
+
+
+def _pad_inputs(mb: MicroBatch, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right/bottom-pad tokens with 0 (causal attention: real tokens never see the padding)."""
+    tokens, positions = _inputs(mb)
+    b, s = tokens.shape
+    tokens = torch.nn.functional.pad(tokens, (0, cols - s, 0, rows - b))
+    extra = torch.arange(s, cols, device=positions.device).expand(b, -1)
+    positions = torch.nn.functional.pad(torch.cat([positions, extra], dim=1), (0, 0, 0, rows - b))
+    return tokens, positions
+
+
 def _megatron_loss(loss_fn: LossFn, mb: MicroBatch, output: torch.Tensor):
-    loss, metrics = loss_fn(output, mb)
+    b, s = mb["tokens"].shape
+    loss, metrics = loss_fn(output[:b, :s], mb)  # drop the padding of fixed-shape pipelines
     # The 3-tuple form with calculate_per_token_loss=True: Megatron leaves the loss unscaled.
     return loss, torch.ones((), dtype=torch.int), metrics
 
