@@ -17,6 +17,7 @@ import sys
 _VERBS: dict[str, str] = {
     "config": "sao_megatron.config.cli",
     "plan": "sao_megatron.models.plan_cli",
+    "models": "sao_megatron.models.cli",
     "report": "sao_megatron.training.report",
     "train": "sao_megatron.training.cli",
     "sft": "sao_megatron.training.cli",
