@@ -1,6 +1,6 @@
 """Skip-observation GAE: the vectorised implementation vs a per-timestep loop vs a plain copy.
 
-    python benchmarks/advantages.py [--batch 128] [--lengths 4096 32768] [--reps 5]
+    python benchmarks/advantages.py [--batch 128] [--lengths 4096 32768] [--reps 5] [--threads N]
 
 Prints, side by side in one run, for multi-turn masks at each T:
   - ``vectorised``: ``sao_megatron.algorithms.advantages.gae`` (skip_observations=True);
@@ -14,6 +14,7 @@ A second table times the scan kernels alone on a [B, T] float32 tensor (why the 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -81,7 +82,9 @@ def lfilter_scan(x: torch.Tensor, discount: float) -> torch.Tensor:
 
 
 def gae_table(batch: int, lengths: list[int], reps: int) -> None:
-    print(f"GAE, skip-observation, B={batch}, float32, gamma={GAMMA}, lam={LAM}, threads={torch.get_num_threads()}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"GAE, skip-observation, B={batch}, float32, gamma={GAMMA}, lam={LAM}, "
+          f"threads={torch.get_num_threads()}, cpus={os.cpu_count()}, load average {load}")
     print(f"{'T':>6} {'action%':>8} {'vectorised ms':>14} {'loop ms':>10} {'copy ms':>9} "
           f"{'loop/vec':>9} {'vec/copy':>9} {'max|diff|':>10}")
     for length in lengths:
@@ -116,7 +119,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     gae_table(args.batch, args.lengths, args.reps)
     scan_table(args.batch, max(args.lengths), args.reps)
 

@@ -30,8 +30,11 @@ __all__ = [
 # the reversed rows (a well-kept IIR filter) takes ~30 ms, ~12x slower, and is CPU-only: not used.
 _CHUNK = 16
 _INNER_CHUNK = 64
-# Rows per block on CPU: keeps the ~10 temporaries of a block in L2/L3 instead of DRAM.
-_CPU_BLOCK_ELEMENTS = 1 << 17
+# Elements per row block on CPU. Whole-batch temporaries (32 MB int64 at B=128, T=32k) are fresh
+# mmaps that page-fault on every call (glibc returns blocks over 32 MB to the OS): 1.7x slower.
+# Blocks of 2**17..2**20 elements were within 10% of each other on an idle box; 2**20 (fewer ops)
+# was fastest when the 2 cores were oversubscribed.
+_CPU_BLOCK_ELEMENTS = 1 << 20
 
 
 def _power_matrix(discount: float, size: int, like: torch.Tensor) -> torch.Tensor:

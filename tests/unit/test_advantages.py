@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import algo_reference as ref
+from sao_megatron.algorithms import advantages as advantages_module
 from sao_megatron.algorithms.advantages import (
     RunningMeanBaseline, broadcast_outcome_advantages, discounted_reverse_cumsum, gae, grpo_advantages,
     running_mean_baseline,
@@ -80,8 +81,9 @@ def test_gae_matches_reference_on_multi_turn_masks(skip, gamma, lam):
     _close(ret, ref_ret)
 
 
-def test_gae_long_multi_turn_rows_match_reference():
-    """Long rows exercise three scan levels and several CPU row blocks."""
+def test_gae_long_multi_turn_rows_match_reference(monkeypatch):
+    """Long rows exercise three scan levels; a small block size makes each row its own CPU block."""
+    monkeypatch.setattr(advantages_module, "_CPU_BLOCK_ELEMENTS", 8000)
     rng = random.Random(3)
     mask = ref.multi_turn_mask(rng, 3, 6000, min_run=1, max_run=300)
     values = torch.randn(3, 6000, dtype=torch.float64)
