@@ -53,5 +53,10 @@ PY
   touch "$venv/.complete"
 fi
 
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo" >&2
+# Quiet unless it fails (setuptools prints multi-line notices on every editable install).
+if ! out="$("$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo" 2>&1)"; then
+  echo "$out" >&2
+  echo "setup: installing the package into $venv failed" >&2
+  exit 1
+fi
 echo "$venv"
