@@ -102,14 +102,16 @@ def is_last_chunk(ctx: ParallelContext, vp_stage: int | None) -> bool:
 
 
 def build_gpt_model(model: ModelConfig, ctx: ParallelContext, *, vp_stage: int | None = None,
-                    value_head: bool = False, config: TransformerConfig | None = None) -> GPTModel:
+                    value_head: bool = False, config: TransformerConfig | None = None,
+                    use_te: bool | None = None) -> GPTModel:
     """One model chunk for this rank (pipeline stage ``ctx.pp_rank``, virtual stage ``vp_stage``).
 
     ``value_head=True`` replaces the LM head by a scalar head (critic); the forward then
     returns values [b, s, 1] instead of vocab-parallel logits [b, s, padded_vocab / tp].
+    ``use_te``: Transformer Engine specs (default: when TE and a GPU are present).
     """
-    config = config or build_transformer_config(model, ctx.parallel)
-    use_te = transformer_engine_usable()
+    use_te = transformer_engine_usable() if use_te is None else use_te
+    config = config or build_transformer_config(model, ctx.parallel, use_te=use_te)
     spec = decoder_block_spec(config, use_te=use_te, pp_rank=ctx.pp_rank, vp_stage=vp_stage)
     gpt = GPTModel(
         config=config, transformer_layer_spec=spec,
@@ -127,11 +129,14 @@ def build_gpt_model(model: ModelConfig, ctx: ParallelContext, *, vp_stage: int |
     return gpt
 
 
-def build_model_chunks(model: ModelConfig, ctx: ParallelContext, *, value_head: bool = False) -> list[GPTModel]:
+def build_model_chunks(model: ModelConfig, ctx: ParallelContext, *, value_head: bool = False,
+                       use_te: bool | None = None) -> list[GPTModel]:
     """All model chunks of this rank: one, or ``virtual_pipeline_model_parallel_size`` with interleaved PP."""
-    config = build_transformer_config(model, ctx.parallel)
+    use_te = transformer_engine_usable() if use_te is None else use_te
+    config = build_transformer_config(model, ctx.parallel, use_te=use_te)
     stages = [None] if ctx.vpp_size is None or ctx.pp_size == 1 else list(range(ctx.vpp_size))
-    return [build_gpt_model(model, ctx, vp_stage=s, value_head=value_head, config=config) for s in stages]
+    return [build_gpt_model(model, ctx, vp_stage=s, value_head=value_head, config=config, use_te=use_te)
+            for s in stages]
 
 
 def count_parameters(chunks: list[torch.nn.Module]) -> dict[str, int]:

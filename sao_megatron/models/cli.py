@@ -23,7 +23,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+    import warnings
+
     import torch.distributed as dist
+
+    # Megatron logs every bucket's parameters at INFO and warns about apex/TE on CPU: keep the report readable.
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", module=r"megatron\..*")
 
     from sao_megatron.config import load_config
     from sao_megatron.training.distributed import destroy, init_distributed, launch_env

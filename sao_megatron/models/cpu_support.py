@@ -255,8 +255,8 @@ def _shim_rng_tracker() -> None:
 def _shim_alltoall_splits() -> None:
     """alltoall dispatcher: split sizes become numpy arrays on CPU, as they do on GPU.
 
-    ``maybe_move_tensor_to_cpu`` only converts CUDA tensors; on CPU the split sizes stay
-    tensors and ``all_to_all_single`` rejects them (EP > 1 forward fails).
+    Without it: ``maybe_move_tensor_to_cpu`` only converts CUDA tensors, so on CPU the split
+    sizes stay tensors and ``all_to_all_single`` rejects them (any EP > 1 forward fails).
     """
     from megatron.core.transformer.moe import token_dispatcher
 
@@ -271,8 +271,8 @@ def _shim_alltoall_splits() -> None:
 def _shim_uneven_allgather() -> None:
     """Gather with uneven split sizes over gloo: pad to the largest split, gather, trim.
 
-    gloo's all_gather needs equal sizes; the MoE dispatchers gather uneven token
-    counts over the expert-TP group (expert_tensor_parallel_size > 1) and fail without it.
+    Without it: gloo's all_gather needs equal sizes, and the MoE dispatchers gather uneven
+    token counts over the expert-TP group (expert_tensor_parallel_size > 1): "invalid tensor size".
     """
     from megatron.core.tensor_parallel import mappings
 
@@ -296,7 +296,7 @@ def _shim_uneven_allgather() -> None:
 def _shim_dist_optimizer_step_state() -> None:
     """Loading distributed-optimizer state with torch's Adam (no apex/TE, i.e. every CPU machine).
 
-    torch Adam keeps a ``step`` tensor per parameter; DistributedOptimizer.load_state_dict
+    Without it: torch Adam keeps a ``step`` tensor per parameter; DistributedOptimizer.load_state_dict
     restores it separately, then ``_set_main_param_and_optimizer_states`` copies every state
     tensor from the checkpoint and fails with KeyError 'step' (the checkpoint entries skip it).
     Marking ``step`` as absent (None) makes it skip that key, as it does for non-tensors.

@@ -102,10 +102,10 @@ def load_checkpoint(path: str | pathlib.Path, model_chunks: Sequence[torch.nn.Mo
             optimizer.load_state_dict(loaded["optimizer"])
         except (KeyError, RuntimeError) as exc:
             raise ValueError(
-                f"optimizer state in {path} does not fit this layout ({exc!r}). Megatron keeps expert "
-                "parameters in a separate optimizer only when expert_model_parallel_size > 1: optimizer "
-                "state reshards between layouts that both have EP > 1 or both EP = 1. Load the model "
-                "only (optimizer=None) to switch between them.") from exc
+                f"could not load the optimizer state in {path}: {exc!r}. If the checkpoint was written with "
+                "another layout: Megatron keeps expert parameters in a separate optimizer only when "
+                "expert_model_parallel_size > 1, so optimizer state reshards only between layouts that both "
+                "have EP > 1 or both EP = 1; load the model alone (optimizer=None) to switch.") from exc
     logger.info("loaded checkpoint %s", path)
     return loaded.get("extra")
 

@@ -28,7 +28,6 @@ from megatron.core.utils import get_model_config
 
 from sao_megatron.models.actor import token_logprobs
 from sao_megatron.models.critic import token_values
-from sao_megatron.models.specs import transformer_engine_usable
 
 if TYPE_CHECKING:
     from sao_megatron.training.distributed import ParallelContext
@@ -74,7 +73,8 @@ def forward_backward(model_chunks: Sequence[torch.nn.Module], microbatches: Sequ
         return []
     config = get_model_config(model_chunks[0])
     check_microbatches(microbatches, ctx, config)
-    use_mask = not transformer_engine_usable()  # local attention needs an explicit mask on CPU
+    # Megatron's local attention builds its default causal mask on "cuda": pass one explicitly.
+    use_mask = not _uses_te(model_chunks[0])
     max_b = max(mb["tokens"].shape[0] for mb in microbatches)
     max_s = max(mb["tokens"].shape[1] for mb in microbatches)
     # Pipeline stages exchange activation shapes only with variable_seq_lengths (off for interleaved
@@ -98,6 +98,10 @@ def forward_backward(model_chunks: Sequence[torch.nn.Module], microbatches: Sequ
     schedule = get_forward_backward_func(pp_size=ctx.pp_size, vp_size=ctx.vpp_size if ctx.pp_size > 1 else None)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         return list(schedule(**kwargs))
+
+
+def _uses_te(chunk: torch.nn.Module) -> bool:
+    return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in chunk.modules())
 
 
 def _inputs(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
