@@ -49,6 +49,8 @@ class Episode:
     ref: PromptRef
     prompt: Prompt
     group_id: int
+    admitted_version: int = 0
+    """Trainer version when the episode started: the engines already served it."""
     generating: bool = False
     """A /generate request of this episode is open right now."""
     interrupted: bool = False

@@ -162,7 +162,8 @@ class AsyncScheduler:
             self._next_gid += 1
             self._units[unit.group_id] = unit
             for _ in range(self.group_size):
-                ep = Episode(uid=self._next_uid, ref=ref, prompt=self.prompts[ref.index], group_id=unit.group_id)
+                ep = Episode(uid=self._next_uid, ref=ref, prompt=self.prompts[ref.index], group_id=unit.group_id,
+                             admitted_version=self.version)
                 self._next_uid += 1
                 self._episodes[ep.uid] = ep
                 unit.tasks.append(asyncio.create_task(self._run_episode(unit, ep), name=f"episode-{ep.uid}"))
@@ -184,6 +185,8 @@ class AsyncScheduler:
     async def _run_episode(self, unit: _Unit, ep: Episode) -> None:
         try:
             sample = await self.runner.rollout(ep)
+            if not self._engine_version_ok(sample, ep):
+                return  # fatal: the unit stays pending (re-queued by state_dict); next_batch raises
             await self._score(sample, ep)
             self._consecutive_failures = 0
             self._member_done(unit, sample)
@@ -203,6 +206,18 @@ class AsyncScheduler:
             self._in_flight -= 1
             if not self._stopping:
                 self._admit()
+
+    def _engine_version_ok(self, s: Sample, ep: Episode) -> bool:
+        """Engine weights only move forward: a token older than the episode's start means the
+        engines do not serve the trainer's version (dropping such samples as stale would loop forever)."""
+        oldest = s.oldest_version()
+        if oldest is not None and oldest < ep.admitted_version:
+            self._set_fatal(RuntimeError(
+                f"an engine generated tokens with weight version {oldest} for an episode started at trainer "
+                f"version {ep.admitted_version}: the engines do not serve the trainer's weights. Push the weights "
+                "before set_version(), or use on_weights_updated(version, push)."))
+            return False
+        return True
 
     async def _score(self, s: Sample, ep: Episode) -> None:
         s.phase = self.schedule.phase_at(self.version)

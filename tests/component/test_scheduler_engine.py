@@ -25,7 +25,7 @@ from sao_megatron.scheduler import AsyncScheduler, PromptCursor
 pytestmark = pytest.mark.component
 TOK = CharTokenizer()
 NUM_CHECKPOINTS = 3
-SAMPLING = SamplingParams(max_new_tokens=16, temperature=1.0)
+SAMPLING = SamplingParams(max_new_tokens=24, temperature=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,7 @@ async def run_training(engines, ckpts, *, steps, mode="single", eta=1, partial="
         for step in range(steps):
             batch = await sched.next_batch()
             consumed.append((sched.version, batch))
+            await let_generation_run(sched)  # the trainer's step: the engines keep generating meanwhile
             v = sched.version + 1
 
             async def push(v=v):
@@ -78,6 +79,16 @@ async def run_training(engines, ckpts, *, steps, mode="single", eta=1, partial="
         await sched.stop()
         await client.aclose()
     return consumed, state, metrics
+
+
+async def let_generation_run(sched, timeout_s=5.0):
+    """Until some episode has a request open on an engine (if any may run), then a little longer, so
+    the weight update that follows lands in the middle of generations."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not any(ep.generating for ep in sched._episodes.values()) and sched._in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)
 
 
 def audit_staleness_and_counts(consumed, state, eta):

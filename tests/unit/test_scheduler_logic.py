@@ -560,7 +560,10 @@ def test_reward_phases_switch_target_at_the_given_version():
         for v in range(4):
             batch = await s.next_batch()
             out.append((v, batch, s.metrics()))
-            await s.on_weights_updated(v + 1)
+
+            async def push(v=v + 1):
+                c.version = v
+            await s.on_weights_updated(v + 1, push)
         await s.stop()
         return out
     for v, batch, m in asyncio.run(run()):
@@ -571,3 +574,16 @@ def test_reward_phases_switch_target_at_the_given_version():
             assert (x.reward == 1.0) == (phase == 0 or ans == ans[::-1])  # "reverse" wants the digits backwards
         assert m[f"rollout/reward_mean/phase_{phase}"] == pytest.approx(sum(x.reward for x in batch) / 4)
         assert f"rollout/reward_mean/phase_{1 - phase}" not in m
+
+
+def test_engines_behind_the_trainer_version_fail_loudly():
+    async def run():
+        c = FakeClient()
+        s = make(c, eta=0)
+        await s.start()
+        await s.next_batch()
+        await s.on_weights_updated(1)  # "pushed" nothing: the engine still generates version 0
+        with pytest.raises(RuntimeError, match="do not serve the trainer's weights"):
+            await asyncio.wait_for(s.next_batch(), 10)
+        await s.stop()
+    asyncio.run(run())
