@@ -17,11 +17,15 @@ import re
 import socket
 import subprocess
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from sao_megatron.config.schema import ParallelConfig
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +131,8 @@ class ParallelContext:
     """Data-parallel size (dense parameters)."""
     expt_dp_size: int
     """Data-parallel size of expert parameters."""
-    pg: object
-    """megatron.core.process_groups_config.ProcessGroupCollection with every Megatron group."""
+    pg: ProcessGroupCollection
+    """Every Megatron process group (tp, pp, ep, expt_tp, dp, dp_cp, expt_dp, ...)."""
 
     @property
     def tp_size(self) -> int:
