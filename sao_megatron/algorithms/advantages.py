@@ -8,7 +8,9 @@ on each turn's last action token). A reward found on a non-action token is *fold
 action token before it: it is received after that action and before the next one, so it belongs to
 that transition's TD error. A reward before the first action token precedes every decision, cannot
 change any advantage, and is dropped. Folding is sync-free (no ``.any()`` check on the device) and
-gives both GAE variants the same rewards, so they agree when ``gamma == lam == 1``.
+gives both GAE variants the same rewards, so they agree when ``gamma == lam == 1``. On CUDA,
+folding several non-zero rewards into one action adds them atomically (the last bit may differ
+between runs); one reward per action, the scheduler's layout, is bit-exact everywhere.
 """
 
 from __future__ import annotations
