@@ -206,6 +206,8 @@ class AsyncScheduler:
             self._in_flight -= 1
             if not self._stopping:
                 self._admit()
+                if self._in_flight == 0:
+                    self._fifo_event.set()  # wake next_batch to re-check that progress is still possible
 
     def _engine_version_ok(self, s: Sample, ep: Episode) -> bool:
         """Engine weights only move forward: a token older than the episode's start means the

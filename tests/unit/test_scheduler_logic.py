@@ -558,12 +558,12 @@ def test_reward_phases_switch_target_at_the_given_version():
         await s.start()
         out = []
         for v in range(4):
-            batch = await s.next_batch()
+            batch = await asyncio.wait_for(s.next_batch(), 60)  # generous: a bug must fail, not hang the suite
             out.append((v, batch, s.metrics()))
 
             async def push(v=v + 1):
                 c.version = v
-            await s.on_weights_updated(v + 1, push)
+            await asyncio.wait_for(s.on_weights_updated(v + 1, push), 60)
         await s.stop()
         return out
     for v, batch, m in asyncio.run(run()):
