@@ -196,6 +196,59 @@ def test_gae_mask_edge_cases():
                                                                    skip_observations=False)[0])
 
 
+_row = st.integers(1, 30).flatmap(lambda n: st.tuples(
+    st.lists(st.floats(-10, 10), min_size=n, max_size=n), st.lists(st.floats(-10, 10), min_size=n, max_size=n)))
+
+
+def _t(xs) -> torch.Tensor:
+    return torch.tensor([xs], dtype=torch.float64)
+
+
+@PROPS
+@given(_row, st.floats(0, 1), st.floats(0, 1), st.booleans(), st.data())
+def test_gae_property_zero_one_and_single_action_masks(row, gamma, lam, skip, data):
+    rewards, values = _t(row[0]), _t(row[1])
+    length = rewards.shape[1]
+    adv, ret = gae(rewards, values, torch.zeros(1, length), gamma=gamma, lam=lam, skip_observations=skip)
+    assert (adv == 0).all() and (ret == 0).all()
+    ones = torch.ones(1, length)  # nothing to skip: both variants are the plain recursion
+    expected = ref.gae(rewards, values, ones, gamma, lam, skip_observations=False)
+    for out, exp in zip(gae(rewards, values, ones, gamma=gamma, lam=lam, skip_observations=skip), expected):
+        _close(out, exp, 1e-8)
+    # One action token at p: Â = (reward at p + every later reward, folded) − V[p], whatever γ and λ.
+    p = data.draw(st.integers(0, length - 1))
+    single = torch.zeros(1, length, dtype=torch.bool)
+    single[0, p] = True
+    adv, ret = gae(rewards, values, single, gamma=gamma, lam=lam, skip_observations=skip)
+    tail = rewards[0, p:].sum()
+    _close(adv[0, p], tail - values[0, p], 1e-8)
+    _close(ret[0, p], tail, 1e-8)
+    assert adv.count_nonzero() <= 1 and ret.count_nonzero() <= 1
+
+
+@PROPS
+@given(gae_cases(), st.integers(0, 6), st.integers(0, 6), st.booleans(), st.data())
+def test_gae_property_observation_runs_at_start_and_end(case, head, tail, skip, data):
+    """Observation runs before the first / after the last action: rewards before are dropped (values too),
+    rewards after fold into the last action, so the result equals the core row with the tail's rewards
+    moved onto its last position."""
+    rewards, values, mask, gamma, lam = case
+    batch = rewards.shape[0]
+    floats = st.lists(st.floats(-10, 10), min_size=batch * (head + tail), max_size=batch * (head + tail))
+    extra_r = torch.tensor(data.draw(floats), dtype=torch.float64).reshape(batch, head + tail)
+    extra_v = torch.tensor(data.draw(floats), dtype=torch.float64).reshape(batch, head + tail)
+    wrapped = [torch.cat([e[:, :head], x, e[:, head:]], dim=1)
+               for e, x in ((extra_r, rewards), (extra_v, values), (torch.zeros(batch, head + tail), mask.double()))]
+    out = gae(*wrapped, gamma=gamma, lam=lam, skip_observations=skip)
+    folded = rewards.clone()
+    folded[:, -1] += extra_r[:, head:].sum(dim=1)
+    expected = gae(folded, values, mask, gamma=gamma, lam=lam, skip_observations=skip)
+    length = rewards.shape[1]
+    for o, e in zip(out, expected):
+        _close(o[:, head:head + length], e, 1e-8)
+        assert (o[:, :head] == 0).all() and (o[:, head + length:] == 0).all()
+
+
 def test_gae_observation_runs_at_start_and_end():
     """Rewards before the first action are dropped; those after the last action fold into it."""
     mask = torch.tensor([[False, False, True, True, False, True, False, False]])
