@@ -6,7 +6,8 @@ Prints, side by side in one run, for multi-turn masks at each T:
   - ``vectorised``: ``sao_megatron.algorithms.advantages.gae`` (skip_observations=True);
   - ``loop``: the same recursion as a Python loop over time on batch tensors, the shape used by
     verl's ``compute_gae_advantage_return`` (multi-turn variant) and OpenRLHF's ``get_advantages_and_returns``;
-  - ``copy``: cloning the bytes GAE reads (rewards, values, action_mask): the memory-bound floor;
+  - ``copy``: copying the bytes GAE reads (rewards, values, action_mask) into preallocated tensors:
+    the memory-bound floor;
 and the ratios loop/vectorised (target >= 100x at T=32k) and vectorised/copy (target <= 5x).
 A second table times the scan kernels alone on a [B, T] float32 tensor (why the blocked scan is used).
 """
@@ -92,7 +93,8 @@ def gae_table(batch: int, lengths: list[int], reps: int) -> None:
     for length in lengths:
         rewards, values, mask = multi_turn_batch(batch, length)
         vec_ms = timeit(lambda: gae(rewards, values, mask, gamma=GAMMA, lam=LAM), reps)
-        copy_ms = timeit(lambda: (rewards.clone(), values.clone(), mask.clone()), reps)
+        buffers = [torch.empty_like(x) for x in (rewards, values, mask)]  # preallocated: no page faults
+        copy_ms = timeit(lambda: [b.copy_(x) for b, x in zip(buffers, (rewards, values, mask))], reps)
         loop_reps = 2 if length > 8192 else reps  # ~3 s per call at T=32k
         loop_ms = timeit(lambda: loop_gae(rewards, values, mask, GAMMA, LAM), loop_reps, warmup=0)
         ours, theirs = gae(rewards, values, mask, gamma=GAMMA, lam=LAM), loop_gae(rewards, values, mask, GAMMA, LAM)
@@ -105,7 +107,8 @@ def scan_table(batch: int, length: int, reps: int) -> None:
     x = torch.randn(batch, length)
     discount = GAMMA * LAM
     print(f"\nScan kernels alone, [{batch}, {length}] float32, discount={discount:.4f}")
-    rows = [("copy (floor)", lambda: x.clone()),
+    out = torch.empty_like(x)
+    rows = [("copy (floor)", lambda: out.copy_(x)),
             ("scipy.signal.lfilter (reversed rows)", lambda: lfilter_scan(x, discount))]
     rows += [(f"blocked scan, chunk={c}", (lambda c=c: discounted_reverse_cumsum(x, discount, chunk=c)))
              for c in (8, 16, 32, 64, 128)]
