@@ -245,8 +245,9 @@ class RolloutConfig:
 class SchedulerConfig:
     """Asynchronous single-rollout scheduling."""
 
-    mode: Literal["single", "group", "sync"] = "single"
-    """single (SAO), group (GRPO groups of algorithm.group_size), sync (on-policy baseline)."""
+    mode: Literal["auto", "single", "group", "sync"] = "auto"
+    """auto (from algorithm.name: group for grpo/grpo_dis, else single), single (SAO), group (GRPO groups of
+    algorithm.group_size), sync (on-policy baseline)."""
     batch_size: int = 128
     """B: finished samples per training batch."""
     concurrency: int = 256

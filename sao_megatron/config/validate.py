@@ -96,6 +96,13 @@ def check_parallel(m: ModelConfig, p: ParallelConfig, world_size: int | None) ->
     return errs
 
 
+def resolved_mode(cfg: ExperimentConfig) -> str:
+    """scheduler.mode with ``auto`` resolved from the algorithm (group algorithms need groups)."""
+    if cfg.scheduler.mode != "auto":
+        return cfg.scheduler.mode
+    return "group" if cfg.algorithm.name in GROUP_ALGORITHMS else "single"
+
+
 def check_training(cfg: ExperimentConfig) -> list[str]:
     errs = []
     alg, sched, critic = cfg.algorithm, cfg.scheduler, cfg.critic
@@ -104,7 +111,7 @@ def check_training(cfg: ExperimentConfig) -> list[str]:
     if alg.name in CRITIC_ALGORITHMS and not critic.enabled:
         errs.append(f"algorithm.name={alg.name} needs a value model: set critic.enabled=true")
     if alg.name in GROUP_ALGORITHMS:
-        if sched.mode == "single":
+        if resolved_mode(cfg) == "single":
             errs.append(f"algorithm.name={alg.name} needs groups: set scheduler.mode=group (or sync)")
         if alg.group_size < 2:
             errs.append(f"algorithm.group_size={alg.group_size} must be >= 2 for {alg.name}")

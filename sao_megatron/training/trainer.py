@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from sao_megatron.algorithms.advantages import RunningMeanBaseline
 from sao_megatron.config import ExperimentConfig, to_dict, write_resolved
+from sao_megatron.config.validate import resolved_mode
 from sao_megatron.envs import build_task
 from sao_megatron.errors import SaoError
 from sao_megatron.models.families import get_family
@@ -46,6 +47,7 @@ class Trainer:
 
     def __init__(self, cfg: ExperimentConfig, run_dir: str | pathlib.Path, *, resume: str = "auto"):
         self.cfg, self.run_dir, self.resume = cfg, pathlib.Path(run_dir), resume
+        cfg.scheduler.mode = resolved_mode(cfg)  # "auto" -> single | group, recorded in the resolved config
         self.ctx = init_distributed(cfg.parallel, seed=cfg.run.seed)
         self.rank0 = dist.get_rank() == 0
         self.needs_critic = cfg.algorithm.name in rl_step.CRITIC_ALGORITHMS

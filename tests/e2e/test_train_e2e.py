@@ -80,8 +80,7 @@ def test_sao_steps_version_bookkeeping_staleness_and_checkpoint(tmp_path):
 
 def test_grpo_baseline_runs(tmp_path):
     run_dir = tmp_path / "grpo"
-    run_train(run_dir, "algorithm.name=grpo", "scheduler.mode=group", "algorithm.group_size=4",
-              "critic.enabled=false", "run.num_steps=2")
+    run_train(run_dir, "algorithm.name=grpo", "algorithm.group_size=4", "run.num_steps=2")  # mode: auto -> group
     metrics = metrics_by_step(run_dir)
     assert len(metrics) == 2 and all(m["actor/update_applied"] == 1.0 for m in metrics)
     assert "critic/loss" not in metrics[0]

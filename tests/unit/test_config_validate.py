@@ -66,7 +66,8 @@ def test_valid_base_config_passes():
     ({"critic": {"num_updates_per_step": 0}}, ["critic.num_updates_per_step=0 must be >= 1 (paper: K=2)"]),
     ({"critic": {"enabled": False}}, ["algorithm.name=sao needs a value model: set critic.enabled=true"]),
     ({"algorithm": {"name": "ppo"}, "critic": {"enabled": False}}, ["algorithm.name=ppo needs a value model"]),
-    ({"algorithm": {"name": "grpo"}}, ["algorithm.name=grpo needs groups: set scheduler.mode=group"]),
+    ({"algorithm": {"name": "grpo"}, "scheduler": {"mode": "single"}},
+     ["algorithm.name=grpo needs groups: set scheduler.mode=group"]),
     ({"algorithm": {"name": "grpo_dis", "group_size": 1}, "scheduler": {"mode": "group"}},
      ["algorithm.group_size=1 must be >= 2 for grpo_dis"]),
     ({"algorithm": {"name": "grpo", "group_size": 8}, "scheduler": {"mode": "group", "batch_size": 100}},
@@ -134,3 +135,16 @@ def test_load_config_validates_and_check_false_skips(tmp_path):
     with pytest.raises(ConfigError, match=r"world size 5 is not divisible by TP\*PP\*CP=2"):
         load_config(tmp_path / "e.yaml", ["parallel.expert_model_parallel_size=1",
                                           "parallel.pipeline_model_parallel_size=2"], world_size=5)
+
+
+def test_auto_scheduler_mode_follows_the_algorithm():
+    from sao_megatron.config import ExperimentConfig, from_dict
+    from sao_megatron.config.validate import resolved_mode, validate
+
+    for name, want in (("sao", "single"), ("ppo", "single"), ("sao_running_mean", "single"),
+                       ("grpo", "group"), ("grpo_dis", "group")):
+        cfg = from_dict(ExperimentConfig, {"algorithm": {"name": name}})
+        assert cfg.scheduler.mode == "auto" and resolved_mode(cfg) == want
+        validate(cfg)
+    explicit = from_dict(ExperimentConfig, {"algorithm": {"name": "grpo"}, "scheduler": {"mode": "sync"}})
+    assert resolved_mode(explicit) == "sync"
