@@ -26,10 +26,11 @@ __all__ = [
 ]
 
 # Chunk length of the blocked scan. Measured on the 2-core CPU box (benchmarks/advantages.py scan
-# table, [128, 32768] fp32, discount 0.94, median of 5): chunk 8: 4.5-5.4 ms, 16: 2.5-2.7 ms,
-# 32: 2.1-2.6 ms, 64: 4.1-4.3 ms, 128: 5.1-5.5 ms (the chunk matmul costs ~chunk flops per
-# element; shorter chunks add levels); a plain copy takes 0.7-1.3 ms. scipy.signal.lfilter over
-# the reversed rows (a well-kept IIR filter) takes ~30 ms, ~12x slower, and is CPU-only: not used.
+# table, [128, 32768] fp32, discount 0.94, best of 10, load average ~1): chunk 8: 3.8-4.6 ms,
+# 16: 2.5-3.0 ms, 32: 2.4-2.9 ms, 64: 3.3-4.2 ms, 128: 4.9-5.5 ms (the chunk matmul costs ~chunk
+# flops per element; shorter chunks add levels); copying the tensor takes 0.65 ms.
+# scipy.signal.lfilter over the reversed rows (a well-kept IIR filter) takes 33-40 ms, ~13x
+# slower than chunk 16, and is CPU-only: not used.
 _CHUNK = 16
 _INNER_CHUNK = 64
 # Elements per row block on CPU. Whole-batch temporaries (32 MB int64 at B=128, T=32k) are fresh
