@@ -216,21 +216,18 @@ class Trainer:
             from sao_megatron.models.families.sharded import load_hf_dir
 
             load_hf_dir(self.actor.chunks, cfg.model, cfg.model.hf_dir)
-        if self.critic is not None:
-            if cfg.critic.init_from != "actor":
-                load_checkpoint(cfg.critic.init_from, self.critic.chunks)
-            else:  # the actor may have been loaded after the critic copied its random init
-                from sao_megatron.models.critic import init_critic_from_actor
-
-                init_critic_from_actor(self.critic.chunks, self.actor.chunks)
         if cfg.run.sft_steps:
             from sao_megatron.training.sft import supervised_warmup
 
             supervised_warmup(self)
-            if self.critic is not None and cfg.critic.init_from == "actor":
-                from sao_megatron.models.critic import init_critic_from_actor
+        if self.critic is None:
+            return
+        if cfg.critic.init_from != "actor":
+            load_checkpoint(cfg.critic.init_from, self.critic.chunks)
+        else:  # copy the actor's final starting weights (loaded and/or warmed up after the critic was built)
+            from sao_megatron.models.critic import init_critic_from_actor
 
-                init_critic_from_actor(self.critic.chunks, self.actor.chunks)
+            init_critic_from_actor(self.critic.chunks, self.actor.chunks)
 
     def _should_save(self) -> bool:
         every = self.cfg.checkpoint.save_interval
