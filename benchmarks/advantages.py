@@ -3,12 +3,16 @@
     python benchmarks/advantages.py [--batch 128] [--lengths 4096 32768] [--reps 10] [--threads N]
 
 Prints, side by side in one run, for multi-turn masks at each T:
-  - ``vectorised``: ``sao_megatron.algorithms.advantages.gae`` (skip_observations=True);
+  - ``gae``: ``sao_megatron.algorithms.advantages.gae`` (skip_observations=True) as callers get it:
+    on CPU tensors the fused numba kernel (``impl="kernel"``, algorithms/gae_cpu.py);
+  - ``gae:out``: the same, writing into preallocated outputs (``out=``), like the copy below;
+  - ``scan``: the same function with ``impl="scan"``, the vectorised compaction + blocked scan that
+    runs on accelerators (timed here on CPU for comparison);
   - ``loop``: the same recursion as a Python loop over time on batch tensors, the shape used by
     verl's ``compute_gae_advantage_return`` (multi-turn variant) and OpenRLHF's ``get_advantages_and_returns``;
   - ``copy``: copying the bytes GAE reads (rewards, values, action_mask) into preallocated tensors:
-    the memory-bound floor;
-and the ratios loop/vectorised (target >= 100x at T=32k) and vectorised/copy (target <= 5x).
+    the memory-bound floor (the faster of back-to-back and interleaved timings);
+and the ratios loop/gae (target >= 100x at T=32k) and gae/copy, gae:out/copy (target <= 5x).
 A second table times the scan kernels alone on a [B, T] float32 tensor (why the blocked scan is used).
 """
 
@@ -78,6 +82,20 @@ def timeit(fn, reps: int, warmup: int = 1) -> float:
     return 1e3 * min(times)
 
 
+def timeit_interleaved(fns, reps: int) -> list[float]:
+    """Best wall time in ms of each function, calling them in turn rep after rep (after one warm-up
+    call each), so that a slow spell on the shared box hits every column alike."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return [1e3 * t for t in best]
+
+
 def lfilter_scan(x: torch.Tensor, discount: float) -> torch.Tensor:
     reversed_rows = x.numpy()[:, ::-1]
     out = scipy.signal.lfilter([1.0], [1.0, -discount], reversed_rows, axis=1)
@@ -88,19 +106,32 @@ def gae_table(batch: int, lengths: list[int], reps: int) -> None:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"GAE, skip-observation, B={batch}, float32, gamma={GAMMA}, lam={LAM}, "
           f"threads={torch.get_num_threads()}, cpus={os.cpu_count()}, load average {load}")
-    print(f"{'T':>6} {'action%':>8} {'vectorised ms':>14} {'loop ms':>10} {'copy ms':>9} "
-          f"{'loop/vec':>9} {'vec/copy':>9} {'max|diff|':>10}")
+    print(f"{'T':>6} {'action%':>8} {'gae ms':>7} {'gae:out':>8} {'scan ms':>8} {'loop ms':>8} {'copy ms':>8} "
+          f"{'loop/gae':>9} {'gae/copy':>9} {'out/copy':>9} {'scan/copy':>10} {'max|diff|':>10}")
     for length in lengths:
         rewards, values, mask = multi_turn_batch(batch, length)
-        vec_ms = timeit(lambda: gae(rewards, values, mask, gamma=GAMMA, lam=LAM), reps)
         buffers = [torch.empty_like(x) for x in (rewards, values, mask)]  # preallocated: no page faults
-        copy_ms = timeit(lambda: [b.copy_(x) for b, x in zip(buffers, (rewards, values, mask))], reps)
+        out = (torch.empty_like(rewards), torch.empty_like(rewards))
+        gae_ms, out_ms, scan_ms, copy_ms = timeit_interleaved([
+            lambda: gae(rewards, values, mask, gamma=GAMMA, lam=LAM),
+            lambda: gae(rewards, values, mask, gamma=GAMMA, lam=LAM, out=out),
+            lambda: gae(rewards, values, mask, gamma=GAMMA, lam=LAM, impl="scan"),
+            lambda: [b.copy_(x) for b, x in zip(buffers, (rewards, values, mask))]], reps)
+        # The floor is the copy at its fastest: back to back it finds more of its bytes in cache
+        # than between GAE calls, and into huge-page buffers (as gae's fresh CPU outputs are) it
+        # takes fewer TLB misses; take the smallest (the stricter ratio).
+        huge = [torch.from_numpy(np.empty(tuple(x.shape), dtype=x.numpy().dtype)) for x in (rewards, values, mask)]
+        for dst in (buffers, huge):
+            copy_ms = min(copy_ms, timeit(lambda: [b.copy_(x) for b, x in zip(dst, (rewards, values, mask))], reps))
         loop_reps = 2 if length > 8192 else reps  # ~3 s per call at T=32k
         loop_ms = timeit(lambda: loop_gae(rewards, values, mask, GAMMA, LAM), loop_reps, warmup=0)
-        ours, theirs = gae(rewards, values, mask, gamma=GAMMA, lam=LAM), loop_gae(rewards, values, mask, GAMMA, LAM)
-        diff = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
-        print(f"{length:>6} {100 * mask.float().mean().item():>7.1f}% {vec_ms:>14.2f} {loop_ms:>10.1f} {copy_ms:>9.2f} "
-              f"{loop_ms / vec_ms:>8.0f}x {vec_ms / copy_ms:>8.1f}x {diff:>10.2e}")
+        theirs = loop_gae(rewards, values, mask, GAMMA, LAM)
+        outputs = (gae(rewards, values, mask, gamma=GAMMA, lam=LAM), out,
+                   gae(rewards, values, mask, gamma=GAMMA, lam=LAM, impl="scan"))
+        diff = max((a - b).abs().max().item() for ours in outputs for a, b in zip(ours, theirs))
+        print(f"{length:>6} {100 * mask.float().mean().item():>7.1f}% {gae_ms:>7.2f} {out_ms:>8.2f} {scan_ms:>8.2f} "
+              f"{loop_ms:>8.0f} {copy_ms:>8.2f} {loop_ms / gae_ms:>8.0f}x {gae_ms / copy_ms:>8.1f}x "
+              f"{out_ms / copy_ms:>8.1f}x {scan_ms / copy_ms:>9.1f}x {diff:>10.2e}")
 
 
 def scan_table(batch: int, length: int, reps: int) -> None:

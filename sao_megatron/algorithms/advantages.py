@@ -11,6 +11,11 @@ change any advantage, and is dropped. Folding is sync-free (no ``.any()`` check 
 gives both GAE variants the same rewards, so they agree when ``gamma == lam == 1``. On CUDA,
 folding several non-zero rewards into one action adds them atomically (the last bit may differ
 between runs); one reward per action, the scheduler's layout, is bit-exact everywhere.
+
+Two implementations of one recursion (``gae(impl=...)``): on CPU tensors a fused single-pass numba
+kernel (``gae_cpu``: one read of each input, one write of each output); elsewhere the vectorised
+compaction + blocked scan below (no loop over time, thousands of rows in parallel on a GPU). Both
+run every GAE test; ``benchmarks/advantages.py`` times them against a per-timestep loop and a copy.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import math
 import torch
 
 __all__ = [
-    "RunningMeanBaseline", "broadcast_outcome_advantages", "discounted_reverse_cumsum", "gae",
+    "GAE_IMPLS", "RunningMeanBaseline", "broadcast_outcome_advantages", "discounted_reverse_cumsum", "gae",
     "grpo_advantages", "running_mean_baseline",
 ]
 
@@ -32,6 +37,7 @@ __all__ = [
 # scipy.signal.lfilter over the reversed rows (a well-kept IIR filter) takes 33-40 ms, ~13x
 # slower than chunk 16, and is CPU-only: not used.
 _CHUNK = 16
+GAE_IMPLS = ("auto", "kernel", "scan")
 _INNER_CHUNK = 64
 # Elements per row block on CPU. Whole-batch temporaries (32 MB int64 at B=128, T=32k) are fresh
 # mmaps that page-fault on every call (glibc returns blocks over 32 MB to the OS): 1.7x slower.
@@ -111,6 +117,18 @@ def _check_gae_inputs(rewards, values, action_mask, gamma, lam) -> None:
         raise ValueError(f"gae supports T < 2**24 tokens per row, got T={rewards.shape[1]}")
 
 
+def _check_out(out, rewards: torch.Tensor, dtype: torch.dtype) -> None:
+    if len(out) != 2:
+        raise ValueError(f"gae out must be an (advantages, returns) pair, got {len(out)} tensors")
+    for name, t in zip(("advantages", "returns"), out):
+        if t.shape != rewards.shape or t.dtype != dtype or t.device != rewards.device or not t.is_contiguous():
+            raise ValueError(
+                f"gae out {name} must be a contiguous {tuple(rewards.shape)} {dtype} tensor on {rewards.device}, got "
+                f"{tuple(t.shape)} {t.dtype} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}")
+    if out[0].data_ptr() == out[1].data_ptr() and out[0].numel():
+        raise ValueError("gae out advantages and returns must be different tensors")
+
+
 def _compact_block(rewards, values, maskf):
     """Fold and compact one block of rows ``[b, T]`` (mask as 0/1 floats in the compute dtype).
 
@@ -154,7 +172,8 @@ def _gae_block(rewards, values, maskf, gamma: float, lam: float, skip_observatio
 
 @torch.no_grad()
 def gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, *, gamma: float, lam: float,
-        skip_observations: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        skip_observations: bool = True, impl: str = "auto",
+        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level GAE; skip-observation by default (DESIGN.md §1).
 
     rewards, values: ``[B, T]`` floating (values aligned like log-probs: ``V[t]`` is the state in which
@@ -168,14 +187,31 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, 
     ``G_k = Â_k + V[a_k]``; values at observation tokens only enter multiplied by 0.
     ``skip_observations=False``: plain token-level GAE where every position up to the row's last
     action token is a step (observation tokens: reward 0 after folding, their own values).
+
+    ``impl``: ``"kernel"`` is the fused single-pass numba kernel (CPU tensors only, ``gae_cpu``);
+    ``"scan"`` the vectorised compaction + blocked scan in PyTorch (any device); ``"auto"`` picks
+    the kernel on CPU and the scan elsewhere. Both compute the same recursion (tested against the
+    same references); benchmarks/advantages.py times them side by side.
     """
     _check_gae_inputs(rewards, values, action_mask, gamma, lam)
+    if impl not in GAE_IMPLS:
+        raise ValueError(f"gae impl must be one of {GAE_IMPLS}, got {impl!r}")
+    on_cpu = rewards.device.type == "cpu"
+    if impl == "kernel" and not on_cpu:
+        raise ValueError(f"gae impl='kernel' runs on CPU tensors only, got {rewards.device}; use impl='auto' or 'scan'")
     dtype = torch.promote_types(torch.promote_types(rewards.dtype, values.dtype), torch.float32)
     mask = action_mask if action_mask.dtype == torch.bool else action_mask != 0
+    if out is not None:
+        _check_out(out, rewards, dtype)
+    if impl == "kernel" or (impl == "auto" and on_cpu):
+        from sao_megatron.algorithms import gae_cpu  # numba: imported on first CPU use, not with the package
+        return gae_cpu.gae_rows(
+            rewards.detach().to(dtype).contiguous(), values.detach().to(dtype).contiguous(), mask.contiguous(),
+            gamma=float(gamma), lam=float(lam), skip_observations=skip_observations,
+            num_threads=torch.get_num_threads(), out=out)
     # Float 0/1 mask: multiplying by it is ~10x faster on CPU than torch.where on a bool mask.
     maskf = mask.view(torch.uint8).to(dtype)
-    advantages = torch.empty(rewards.shape, dtype=dtype, device=rewards.device)
-    returns = torch.empty_like(advantages)
+    advantages, returns = out or (torch.empty(rewards.shape, dtype=dtype, device=rewards.device) for _ in range(2))
     num_rows, length = rewards.shape
     # On CPU, blocks of rows keep the temporaries cache-resident; on accelerators one block.
     block = num_rows if rewards.device.type != "cpu" else max(1, _CPU_BLOCK_ELEMENTS // max(length, 1))

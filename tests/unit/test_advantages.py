@@ -3,6 +3,7 @@ each against slow reference loops (algo_reference.py) and closed forms."""
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -22,6 +23,10 @@ from sao_megatron.algorithms.advantages import (
 
 pytestmark = pytest.mark.unit
 PROPS = settings(max_examples=60, deadline=None, derandomize=True)
+# Both GAE implementations run every GAE test: the fused CPU kernel (the CPU default) and the
+# vectorised scan (the accelerator path, also runnable on CPU).
+IMPLS = ("kernel", "scan")
+GAE = {impl: functools.partial(gae, impl=impl) for impl in IMPLS}
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-9) -> None:
@@ -73,15 +78,17 @@ def test_scan_rejects_bad_discount():
 
 @pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0), (0.0, 0.7), (1.0, 0.5)])
-def test_gae_matches_reference_on_multi_turn_masks(skip, gamma, lam):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_matches_reference_on_multi_turn_masks(impl, skip, gamma, lam):
     rewards, values, mask = _random_batch(seed=7, batch=6, length=90)
-    adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam, skip_observations=skip)
+    adv, ret = GAE[impl](rewards, values, mask, gamma=gamma, lam=lam, skip_observations=skip)
     ref_adv, ref_ret = ref.gae(rewards, values, mask, gamma, lam, skip)
     _close(adv, ref_adv)
     _close(ret, ref_ret)
 
 
-def test_gae_long_multi_turn_rows_match_reference(monkeypatch):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_long_multi_turn_rows_match_reference(impl, monkeypatch):
     """Long rows exercise three scan levels; a small block size makes each row its own CPU block."""
     monkeypatch.setattr(advantages_module, "_CPU_BLOCK_ELEMENTS", 8000)
     rng = random.Random(3)
@@ -89,21 +96,22 @@ def test_gae_long_multi_turn_rows_match_reference(monkeypatch):
     values = torch.randn(3, 6000, dtype=torch.float64)
     rewards = torch.randn(3, 6000, dtype=torch.float64) * (torch.rand(3, 6000) < 0.01)
     for skip in (True, False):
-        adv, ret = gae(rewards, values, mask, gamma=0.999, lam=0.97, skip_observations=skip)
+        adv, ret = GAE[impl](rewards, values, mask, gamma=0.999, lam=0.97, skip_observations=skip)
         ref_adv, ref_ret = ref.gae(rewards, values, mask, 0.999, 0.97, skip)
         _close(adv, ref_adv, 1e-8)
         _close(ret, ref_ret, 1e-8)
 
 
-def test_gae_float32_and_mask_dtypes():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_float32_and_mask_dtypes(impl):
     rewards, values, mask = _random_batch(seed=1, batch=4, length=50)
     expected = ref.gae(rewards, values, mask, 0.99, 0.95)
     for m in (mask, mask.float(), mask.long()):
-        adv, ret = gae(rewards.float(), values.float(), m, gamma=0.99, lam=0.95)
+        adv, ret = GAE[impl](rewards.float(), values.float(), m, gamma=0.99, lam=0.95)
         assert adv.dtype == ret.dtype == torch.float32
         _close(adv, expected[0], 1e-5)
         _close(ret, expected[1], 1e-5)
-    adv, _ = gae(rewards.bfloat16(), values.bfloat16(), mask, gamma=0.99, lam=0.95)
+    adv, _ = GAE[impl](rewards.bfloat16(), values.bfloat16(), mask, gamma=0.99, lam=0.95)
     assert adv.dtype == torch.float32
 
 
@@ -133,9 +141,10 @@ def gae_cases(draw):
 
 @PROPS
 @given(gae_cases(), st.booleans())
-def test_gae_property_matches_reference(case, skip):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_property_matches_reference(impl, case, skip):
     rewards, values, mask, gamma, lam = case
-    adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam, skip_observations=skip)
+    adv, ret = GAE[impl](rewards, values, mask, gamma=gamma, lam=lam, skip_observations=skip)
     ref_adv, ref_ret = ref.gae(rewards, values, mask, gamma, lam, skip)
     _close(adv, ref_adv, 1e-8)
     _close(ret, ref_ret, 1e-8)
@@ -144,11 +153,12 @@ def test_gae_property_matches_reference(case, skip):
 
 @PROPS
 @given(gae_cases())
-def test_gae_lam_zero_and_one_closed_forms(case):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_lam_zero_and_one_closed_forms(impl, case):
     """λ=0: Â_k = δ_k. λ=1: Â_k = Σ_j γ^(j−k) r_j − V_k (Monte-Carlo return minus value), G_k = that return."""
     rewards, values, mask, gamma, _ = case
-    adv0, _ = gae(rewards, values, mask, gamma=gamma, lam=0.0)
-    adv1, ret1 = gae(rewards, values, mask, gamma=gamma, lam=1.0)
+    adv0, _ = GAE[impl](rewards, values, mask, gamma=gamma, lam=0.0)
+    adv1, ret1 = GAE[impl](rewards, values, mask, gamma=gamma, lam=1.0)
     for b, (acts, deltas, mc, vs) in enumerate(_skip_closed_form(rewards, values, mask, gamma, 0.0)):
         _close(adv0[b, acts], torch.tensor(deltas, dtype=torch.float64).reshape(-1))
         _close(adv1[b, acts], torch.tensor([g - v for g, v in zip(mc, vs)], dtype=torch.float64).reshape(-1), 1e-8)
@@ -157,42 +167,45 @@ def test_gae_lam_zero_and_one_closed_forms(case):
 
 @PROPS
 @given(gae_cases())
-def test_gae_variants_agree_without_discount(case):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_variants_agree_without_discount(impl, case):
     """γ = λ = 1: both variants give G_t = (sum of rewards from t on) and Â_t = G_t − V_t."""
     rewards, values, mask, _, _ = case
-    skip = gae(rewards, values, mask, gamma=1.0, lam=1.0, skip_observations=True)
-    plain = gae(rewards, values, mask, gamma=1.0, lam=1.0, skip_observations=False)
+    skip = GAE[impl](rewards, values, mask, gamma=1.0, lam=1.0, skip_observations=True)
+    plain = GAE[impl](rewards, values, mask, gamma=1.0, lam=1.0, skip_observations=False)
     _close(skip[0], plain[0], 1e-8)
     _close(skip[1], plain[1], 1e-8)
 
 
 @PROPS
 @given(gae_cases(), st.integers(0, 7), st.booleans())
-def test_gae_left_vs_right_padding(case, pad, skip):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_left_vs_right_padding(impl, case, pad, skip):
     rewards, values, mask, gamma, lam = case
     length = rewards.shape[1]
     right = [torch.nn.functional.pad(x, (0, pad)) for x in (rewards, values, mask)]
     left = [torch.nn.functional.pad(x, (pad, 0)) for x in (rewards, values, mask)]
-    right_out = gae(*right, gamma=gamma, lam=lam, skip_observations=skip)
-    left_out = gae(*left, gamma=gamma, lam=lam, skip_observations=skip)
+    right_out = GAE[impl](*right, gamma=gamma, lam=lam, skip_observations=skip)
+    left_out = GAE[impl](*left, gamma=gamma, lam=lam, skip_observations=skip)
     for r_out, l_out in zip(right_out, left_out):
         _close(r_out[:, :length], l_out[:, pad:], 1e-8)
 
 
-def test_gae_mask_edge_cases():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_mask_edge_cases(impl):
     rewards = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]], dtype=torch.float64)
     values = torch.tensor([[0.5, 0.25, 0.125, 1.0, 2.0]], dtype=torch.float64)
     for skip in (True, False):
-        adv, ret = gae(rewards, values, torch.zeros(1, 5, dtype=torch.bool), gamma=0.9, lam=0.8, skip_observations=skip)
+        adv, ret = GAE[impl](rewards, values, torch.zeros(1, 5, dtype=torch.bool), gamma=0.9, lam=0.8, skip_observations=skip)
         assert (adv == 0).all() and (ret == 0).all()
         # One action token: Â = (its reward + every later reward, folded) − V, whatever γ and λ.
         one = torch.tensor([[False, True, False, False, False]])
-        adv, ret = gae(rewards, values, one, gamma=0.9, lam=0.8, skip_observations=skip)
+        adv, ret = GAE[impl](rewards, values, one, gamma=0.9, lam=0.8, skip_observations=skip)
         _close(adv, torch.tensor([[0.0, 2 + 3 + 4 + 5 - 0.25, 0, 0, 0]], dtype=torch.float64))
         _close(ret, torch.tensor([[0.0, 14.0, 0, 0, 0]], dtype=torch.float64))
     # All actions: no observation to skip, so both variants agree with the plain recursion.
     ones = torch.ones(1, 5, dtype=torch.bool)
-    _close(gae(rewards, values, ones, gamma=0.9, lam=0.8)[0], gae(rewards, values, ones, gamma=0.9, lam=0.8,
+    _close(GAE[impl](rewards, values, ones, gamma=0.9, lam=0.8)[0], GAE[impl](rewards, values, ones, gamma=0.9, lam=0.8,
                                                                    skip_observations=False)[0])
 
 
@@ -206,20 +219,21 @@ def _t(xs) -> torch.Tensor:
 
 @PROPS
 @given(_row, st.floats(0, 1), st.floats(0, 1), st.booleans(), st.data())
-def test_gae_property_zero_one_and_single_action_masks(row, gamma, lam, skip, data):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_property_zero_one_and_single_action_masks(impl, row, gamma, lam, skip, data):
     rewards, values = _t(row[0]), _t(row[1])
     length = rewards.shape[1]
-    adv, ret = gae(rewards, values, torch.zeros(1, length), gamma=gamma, lam=lam, skip_observations=skip)
+    adv, ret = GAE[impl](rewards, values, torch.zeros(1, length), gamma=gamma, lam=lam, skip_observations=skip)
     assert (adv == 0).all() and (ret == 0).all()
     ones = torch.ones(1, length)  # nothing to skip: both variants are the plain recursion
     expected = ref.gae(rewards, values, ones, gamma, lam, skip_observations=False)
-    for out, exp in zip(gae(rewards, values, ones, gamma=gamma, lam=lam, skip_observations=skip), expected):
+    for out, exp in zip(GAE[impl](rewards, values, ones, gamma=gamma, lam=lam, skip_observations=skip), expected):
         _close(out, exp, 1e-8)
     # One action token at p: Â = (reward at p + every later reward, folded) − V[p], whatever γ and λ.
     p = data.draw(st.integers(0, length - 1))
     single = torch.zeros(1, length, dtype=torch.bool)
     single[0, p] = True
-    adv, ret = gae(rewards, values, single, gamma=gamma, lam=lam, skip_observations=skip)
+    adv, ret = GAE[impl](rewards, values, single, gamma=gamma, lam=lam, skip_observations=skip)
     tail = rewards[0, p:].sum()
     _close(adv[0, p], tail - values[0, p], 1e-8)
     _close(ret[0, p], tail, 1e-8)
@@ -228,7 +242,8 @@ def test_gae_property_zero_one_and_single_action_masks(row, gamma, lam, skip, da
 
 @PROPS
 @given(gae_cases(), st.integers(0, 6), st.integers(0, 6), st.booleans(), st.data())
-def test_gae_property_observation_runs_at_start_and_end(case, head, tail, skip, data):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_property_observation_runs_at_start_and_end(impl, case, head, tail, skip, data):
     """Observation runs before the first / after the last action: rewards before are dropped (values too),
     rewards after fold into the last action, so the result equals the core row with the tail's rewards
     moved onto its last position."""
@@ -239,31 +254,33 @@ def test_gae_property_observation_runs_at_start_and_end(case, head, tail, skip, 
     extra_v = torch.tensor(data.draw(floats), dtype=torch.float64).reshape(batch, head + tail)
     wrapped = [torch.cat([e[:, :head], x, e[:, head:]], dim=1)
                for e, x in ((extra_r, rewards), (extra_v, values), (torch.zeros(batch, head + tail), mask.double()))]
-    out = gae(*wrapped, gamma=gamma, lam=lam, skip_observations=skip)
+    out = GAE[impl](*wrapped, gamma=gamma, lam=lam, skip_observations=skip)
     folded = rewards.clone()
     folded[:, -1] += extra_r[:, head:].sum(dim=1)
-    expected = gae(folded, values, mask, gamma=gamma, lam=lam, skip_observations=skip)
+    expected = GAE[impl](folded, values, mask, gamma=gamma, lam=lam, skip_observations=skip)
     length = rewards.shape[1]
     for o, e in zip(out, expected):
         _close(o[:, head:head + length], e, 1e-8)
         assert (o[:, :head] == 0).all() and (o[:, head + length:] == 0).all()
 
 
-def test_gae_observation_runs_at_start_and_end():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_observation_runs_at_start_and_end(impl):
     """Rewards before the first action are dropped; those after the last action fold into it."""
     mask = torch.tensor([[False, False, True, True, False, True, False, False]])
     rewards = torch.tensor([[7.0, 7.0, 0.0, 1.0, 0.0, 2.0, 0.0, 3.0]], dtype=torch.float64)
     values = torch.tensor([[9.0, 9.0, 0.5, 0.25, 9.0, 0.125, 9.0, 9.0]], dtype=torch.float64)
-    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    adv, ret = GAE[impl](rewards, values, mask, gamma=1.0, lam=1.0)
     # Returns: action 5 gets 2 + 3 (folded), action 3 gets 1 + 5, action 2 gets 6.
     _close(ret, torch.tensor([[0, 0, 6.0, 6.0, 0, 5.0, 0, 0]], dtype=torch.float64))
     _close(adv, ret - values * mask)
 
 
-def test_gae_skip_never_reads_observation_values():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_skip_never_reads_observation_values(impl):
     rewards, values, mask = _random_batch(seed=5, batch=4, length=60)
     garbage = torch.where(mask, values, torch.full_like(values, 1e30))
-    for out, expected in zip(gae(rewards, garbage, mask, gamma=0.97, lam=0.9), gae(rewards, values, mask, gamma=0.97, lam=0.9)):
+    for out, expected in zip(GAE[impl](rewards, garbage, mask, gamma=0.97, lam=0.9), GAE[impl](rewards, values, mask, gamma=0.97, lam=0.9)):
         _close(out, expected, 0.0)
 
 
@@ -281,32 +298,86 @@ def _numpy_skip_gae(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, g
 
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.999, 0.99), (0.99, 0.95)])
-def test_gae_64k_stable_in_float32(gamma, lam):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_64k_stable_in_float32(impl, gamma, lam):
     rng = random.Random(11)
     mask = ref.multi_turn_mask(rng, 2, 65536, min_run=50, max_run=2000)
     mask[:, :100] = True  # both rows long
     gen = torch.Generator().manual_seed(11)
     values = torch.randn(2, 65536, generator=gen)
     rewards = (torch.rand(2, 65536, generator=gen) < 1e-3) * torch.randn(2, 65536, generator=gen)
-    adv, ret = gae(rewards, values, mask, gamma=gamma, lam=lam)
+    adv, ret = GAE[impl](rewards, values, mask, gamma=gamma, lam=lam)
     expected = _numpy_skip_gae(rewards.double().numpy(), values.double().numpy(), mask.numpy(), gamma, lam)
     assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
     scale = np.abs(expected).max() + 1.0  # measured: 1.8e-5 absolute at scale 13 for gamma = lam = 1
     assert np.abs(adv.double().numpy() - expected).max() < 1e-5 * scale
 
 
-def test_gae_validates_inputs():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_validates_inputs(impl):
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="gamma"):
-        gae(x, x, x, gamma=1.1, lam=0.9)
+        GAE[impl](x, x, x, gamma=1.1, lam=0.9)
     with pytest.raises(ValueError, match="lam"):
-        gae(x, x, x, gamma=0.9, lam=-0.1)
+        GAE[impl](x, x, x, gamma=0.9, lam=-0.1)
     with pytest.raises(ValueError, match="shape"):
-        gae(x, torch.zeros(2, 4), x, gamma=0.9, lam=0.9)
-    adv, ret = gae(torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, 3), gamma=1.0, lam=1.0)
+        GAE[impl](x, torch.zeros(2, 4), x, gamma=0.9, lam=0.9)
+    adv, ret = GAE[impl](torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, 3), gamma=1.0, lam=1.0)
     assert adv.shape == ret.shape == (0, 3)
-    adv, _ = gae(torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0), gamma=1.0, lam=1.0)
+    adv, _ = GAE[impl](torch.zeros(2, 0), torch.zeros(2, 0), torch.zeros(2, 0), gamma=1.0, lam=1.0)
     assert adv.shape == (2, 0)
+
+
+def test_gae_kernel_threads_split_rows_bit_identically():
+    """Rows split over threads (uneven ranges) give exactly the single-thread result, and agree with the scan."""
+    from sao_megatron.algorithms import gae_cpu
+
+    rewards, values, mask = _random_batch(seed=21, batch=7, length=30_000)
+    rewards, values = rewards.float(), values.float()
+    for skip in (True, False):
+        one = gae_cpu.gae_rows(rewards, values, mask, gamma=0.99, lam=0.95, skip_observations=skip, num_threads=1)
+        three = gae_cpu.gae_rows(rewards, values, mask, gamma=0.99, lam=0.95, skip_observations=skip, num_threads=3)
+        # The scan in float64 as the reference: the kernel accumulates in float64 and rounds once.
+        scan = gae(rewards.double(), values.double(), mask, gamma=0.99, lam=0.95, skip_observations=skip, impl="scan")
+        for a, b, c in zip(one, three, scan):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, c.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_gae_kernel_accepts_views_and_grad_tensors():
+    rewards, values, mask = _random_batch(seed=4, batch=5, length=40)
+    expected = ref.gae(rewards, values, mask, 0.9, 0.8)
+    transposed = [x.t().contiguous().t() for x in (rewards, values, mask)]  # column-major views
+    values_grad = values.clone().requires_grad_(True)
+    for args in (transposed, (rewards, values_grad, mask)):
+        adv, ret = gae(*args, gamma=0.9, lam=0.8, impl="kernel")
+        _close(adv, expected[0])
+        _close(ret, expected[1])
+        assert not adv.requires_grad
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_writes_into_out_buffers(impl):
+    rewards, values, mask = _random_batch(seed=8, batch=4, length=70)
+    expected = ref.gae(rewards, values, mask, 0.95, 0.9)
+    out = (torch.full_like(rewards, float("nan")), torch.full_like(rewards, float("nan")))  # stale contents
+    adv, ret = GAE[impl](rewards, values, mask, gamma=0.95, lam=0.9, out=out)
+    assert adv.data_ptr() == out[0].data_ptr() and ret.data_ptr() == out[1].data_ptr()
+    _close(out[0], expected[0])
+    _close(out[1], expected[1])
+    with pytest.raises(ValueError, match="contiguous"):
+        GAE[impl](rewards, values, mask, gamma=0.95, lam=0.9, out=(out[0].float(), out[1]))
+    with pytest.raises(ValueError, match="different tensors"):
+        GAE[impl](rewards, values, mask, gamma=0.95, lam=0.9, out=(out[0], out[0]))
+
+
+def test_gae_impl_errors():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        gae(x, x, x, gamma=0.9, lam=0.9, impl="loop")
+    meta = torch.zeros(2, 3, device="meta")
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        gae(meta, meta, meta, gamma=0.9, lam=0.9, impl="kernel")
 
 
 # ------------------------------------------------------------------------------ outcome baselines
