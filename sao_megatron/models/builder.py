@@ -53,9 +53,31 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = VOCAB_D
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
-                             use_te: bool | None = None) -> TransformerConfig:
-    """Megatron TransformerConfig for actor and critic trunks (no process groups needed)."""
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
+def recompute_fields(granularity: str) -> dict:
+    """Megatron's activation-recompute fields for ``actor/critic.recompute_granularity``.
+
+    ``full``: every transformer layer is one checkpointed unit (uniform, 1 layer per unit): only
+    each layer's input is kept, the rest is recomputed in backward (the planner's `full` estimate).
+    ``selective``: Megatron's default selective set (core attention).
+    """
+    if granularity not in RECOMPUTE_CHOICES:
+        raise ValueError(f"recompute_granularity must be one of {RECOMPUTE_CHOICES}, got {granularity!r}")
+    if granularity == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if granularity == "selective":
+        return dict(recompute_granularity="selective")
+    return {}
+
+
+def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *, use_te: bool | None = None,
+                             recompute: str = "none") -> TransformerConfig:
+    """Megatron TransformerConfig for actor and critic trunks (no process groups needed).
+
+    ``recompute``: ``none``, ``selective`` or ``full`` activation recomputation (``recompute_fields``).
+    """
     use_te = transformer_engine_usable() if use_te is None else use_te
     dtype = _DTYPES[model.params_dtype]
     kwargs = {name: getattr(model, name) for name in _SAME_NAME_FIELDS}
@@ -89,6 +111,7 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         # directly (which also keeps the CPU device mode active inside custom backwards).
         deallocate_pipeline_outputs=True,
     )
+    kwargs |= recompute_fields(recompute)
     return TransformerConfig(**kwargs)
 
 
@@ -130,10 +153,10 @@ def build_gpt_model(model: ModelConfig, ctx: ParallelContext, *, vp_stage: int |
 
 
 def build_model_chunks(model: ModelConfig, ctx: ParallelContext, *, value_head: bool = False,
-                       use_te: bool | None = None) -> list[GPTModel]:
+                       use_te: bool | None = None, recompute: str = "none") -> list[GPTModel]:
     """All model chunks of this rank: one, or ``virtual_pipeline_model_parallel_size`` with interleaved PP."""
     use_te = transformer_engine_usable() if use_te is None else use_te
-    config = build_transformer_config(model, ctx.parallel, use_te=use_te)
+    config = build_transformer_config(model, ctx.parallel, use_te=use_te, recompute=recompute)
     stages = [None] if ctx.vpp_size is None or ctx.pp_size == 1 else list(range(ctx.vpp_size))
     return [build_gpt_model(model, ctx, vp_stage=s, value_head=value_head, config=config, use_te=use_te)
             for s in stages]

@@ -32,8 +32,9 @@ class TrainedModel:
     """Local parameter counts: total, trainable, frozen (and per group for the critic)."""
 
 
-def build_actor(model: ModelConfig, opt: OptimizerConfig, ctx, *, total_steps: int) -> TrainedModel:
-    chunks = build_model_chunks(model, ctx)
+def build_actor(model: ModelConfig, opt: OptimizerConfig, ctx, *, total_steps: int,
+                recompute: str = "none") -> TrainedModel:
+    chunks = build_model_chunks(model, ctx, recompute=recompute)
     counts = count_parameters(chunks)
     ddp, optimizer, scheduler = setup_optimizer(chunks, opt, ctx, total_steps=total_steps)
     return TrainedModel(chunks=chunks, ddp=ddp, optimizer=optimizer, scheduler=scheduler, param_counts=counts)
@@ -41,7 +42,7 @@ def build_actor(model: ModelConfig, opt: OptimizerConfig, ctx, *, total_steps: i
 
 def build_critic(model: ModelConfig, critic: CriticConfig, ctx, actor_chunks, *, total_steps: int) -> TrainedModel:
     """Critic = actor trunk + value head, initialised from the actor, frozen per ``critic.trainable``."""
-    chunks = build_model_chunks(model, ctx, value_head=True)
+    chunks = build_model_chunks(model, ctx, value_head=True, recompute=critic.recompute_granularity)
     if critic.init_from == "actor":
         init_critic_from_actor(chunks, actor_chunks)
     counts = freeze_for_critic(chunks, critic.trainable)  # before DDP: frozen params get no grad/optim state

@@ -56,7 +56,8 @@ class Trainer:
             write_resolved(cfg, self.run_dir)
         self.task = rank0_call(lambda: build_task(cfg.data))  # bad datasets fail here, on every rank
         steps = cfg.run.num_steps
-        self.actor = build_actor(cfg.model, cfg.actor.optimizer, self.ctx, total_steps=steps)
+        self.actor = build_actor(cfg.model, cfg.actor.optimizer, self.ctx, total_steps=steps,
+                                 recompute=cfg.actor.recompute_granularity)
         self.critic = (build_critic(cfg.model, cfg.critic, self.ctx, self.actor.chunks, total_steps=steps)
                        if self.needs_critic else None)
         self.baseline = (RunningMeanBaseline(momentum=cfg.algorithm.running_mean_momentum)

@@ -62,6 +62,27 @@ def test_compute_logprobs_matches_a_direct_forward(single):
     assert single["compute_logprobs_vs_direct"] < 1e-5
 
 
+def test_recompute_granularity_reaches_megatron_and_keeps_gradients(single):
+    """actor/critic.recompute_granularity: full re-runs every layer in backward, selective only core
+    attention, none neither; gradients equal the no-recompute ones."""
+    assert single["recompute_none_config"] == [None, None, None]
+    assert single["recompute_full_config"] == ["full", "uniform", 1]
+    assert single["recompute_selective_config"] == ["selective", None, None]
+    assert single["recompute_none_calls"] == {"layer": 1, "core_attn": 1}
+    assert single["recompute_full_calls"] == {"layer": 2, "core_attn": 2}
+    assert single["recompute_selective_calls"] == {"layer": 1, "core_attn": 2}
+    assert single["recompute_num_grads"] > 10
+    assert single["recompute_full_grad_diff"] < 1e-6
+    assert single["recompute_selective_grad_diff"] < 1e-6
+
+
+def test_recompute_fields_reject_unknown_granularity():
+    from sao_megatron.models.builder import recompute_fields
+
+    with pytest.raises(ValueError, match="recompute_granularity"):
+        recompute_fields("partial")
+
+
 def test_padded_vocab_size():
     from sao_megatron.models.builder import padded_vocab_size
 

@@ -132,6 +132,38 @@ def check_direct_backward(actor, mbs, out: dict) -> None:
                                                  if p.grad is not None) ** 0.5)
 
 
+def check_recompute(ctx, mbs, out: dict) -> None:
+    """Full and selective recompute give the same gradients as none, and really re-run the layers.
+
+    Counted by forward hooks: with ``full`` every transformer layer runs again in backward; with
+    ``selective`` only core attention does.
+    """
+    tokens = mbs[0]["tokens"]
+    mask = torch.triu(torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool), 1)[None, None]
+    state, grads = None, {}
+    for granularity in ("none", "full", "selective"):
+        model = build_model_chunks(GLM, ctx, recompute=granularity)[0]
+        if state is None:
+            state = {k: v.clone() for k, v in model.state_dict().items() if v is not None and torch.is_tensor(v)}
+        model.load_state_dict(state, strict=False)
+        model.train()
+        calls = {"layer": 0, "core_attn": 0}
+        model.decoder.layers[1].register_forward_hook(lambda *_: calls.__setitem__("layer", calls["layer"] + 1))
+        model.decoder.layers[1].self_attention.core_attention.register_forward_hook(
+            lambda *_: calls.__setitem__("core_attn", calls["core_attn"] + 1))
+        logits = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), mask)
+        logits.float().logsumexp(-1).mean().backward()
+        grads[granularity] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out[f"recompute_{granularity}_calls"] = calls
+        out[f"recompute_{granularity}_config"] = [model.config.recompute_granularity, model.config.recompute_method,
+                                                   model.config.recompute_num_layers]
+    for granularity in ("full", "selective"):
+        same_keys = grads[granularity].keys() == grads["none"].keys()
+        diff = max(float((grads[granularity][n] - g).abs().max()) for n, g in grads["none"].items())
+        out[f"recompute_{granularity}_grad_diff"] = diff if same_keys else float("inf")
+    out["recompute_num_grads"] = len(grads["none"])
+
+
 def main(out_path: str, workdir: str) -> None:
     out: dict = {}
     cpu_support.apply_cpu_shims()
@@ -150,6 +182,7 @@ def main(out_path: str, workdir: str) -> None:
     check_logprobs(actor, ctx, mbs, out)
     check_critic(actor, ctx, mbs, workdir, out)
     check_direct_backward(actor, mbs, out)
+    check_recompute(ctx, mbs, out)
     out["known_groups"] = list(PARAM_GROUPS)
     with open(out_path, "w") as f:
         json.dump(out, f, indent=1)
