@@ -139,7 +139,14 @@ def check_training(cfg: ExperimentConfig) -> list[str]:
     if cfg.data.max_prompt_tokens >= cfg.model.max_position_embeddings:
         errs.append(f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} must be below "
                     f"model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    if cfg.data.task in _DATASET_TASKS and cfg.data.path is None:
+        errs.append(f"data.task={cfg.data.task} needs data.path: a JSONL file, one object per line like "
+                    f"{_DATASET_TASKS[cfg.data.task]} (examples/data/{cfg.data.task}_sample.jsonl shows the format)")
     return errs
+
+
+# Tasks without a built-in generator (sao_megatron.envs): their dataset line shape, for the error.
+_DATASET_TASKS = {"math": '{"prompt": "...", "answer": "3/4"}', "code": '{"prompt": "...", "tests": "assert f(1) == 2"}'}
 
 
 def check_resources(r: ResourcesConfig) -> list[str]:

@@ -104,6 +104,9 @@ class Task(abc.ABC):
     def demonstration(self, prompt: Prompt) -> list[int]:
         """A correct trajectory (tokens after the prompt) for supervised warm-up."""
 
+    def check_demonstrations(self) -> None:
+        """Raise ValueError (saying how to fix it) when ``demonstration`` cannot serve a warm-up."""
+
     def demonstration_mask(self, prompt: Prompt) -> list[int]:
         """Action mask of ``demonstration``: 1 where the policy would generate the token."""
         return [1] * len(self.demonstration(prompt))

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -113,16 +114,40 @@ def _spawn(spec: dict, stdin: str, limits: SandboxLimits, mode: str) -> SandboxR
     cmd = [os.path.realpath(sys.executable), "-I", "-S", str(_BOOT), json.dumps(spec)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, env={"PATH": "/usr/bin:/bin"})
+    cap = limits.max_output_bytes
+    # Readers keep the first `cap` bytes and drain the rest: an output flood costs no memory here.
+    out, err = bytearray(), bytearray()
+    threads = [threading.Thread(target=_drain, args=(pipe, buf, cap), daemon=True)
+               for pipe, buf in ((proc.stdout, out), (proc.stderr, err))]
+    threads.append(threading.Thread(target=_feed, args=(proc.stdin, stdin.encode()), daemon=True))
+    for t in threads:
+        t.start()
     timed_out = False
     try:
-        out, err = proc.communicate(stdin.encode(), timeout=limits.wall_s)
+        proc.wait(timeout=limits.wall_s)
     except subprocess.TimeoutExpired:
         timed_out = True
         _kill_group(proc.pid)
-        out, err = proc.communicate()
-    cap = limits.max_output_bytes
-    return SandboxResult(returncode=proc.returncode, stdout=out[:cap].decode(errors="replace"),
-                         stderr=err[:cap].decode(errors="replace"), timed_out=timed_out, isolation=mode)
+        proc.wait()
+    for t in threads:
+        t.join(timeout=5.0)  # a process that left the group may hold the pipes; do not wait on it
+    return SandboxResult(returncode=proc.returncode, stdout=bytes(out).decode(errors="replace"),
+                         stderr=bytes(err).decode(errors="replace"), timed_out=timed_out, isolation=mode)
+
+
+def _drain(pipe, buf: bytearray, cap: int) -> None:
+    with pipe:
+        while chunk := pipe.read1(1 << 16):
+            if len(buf) < cap:
+                buf += chunk[:cap - len(buf)]
+
+
+def _feed(pipe, data: bytes) -> None:
+    try:
+        with pipe:
+            pipe.write(data)
+    except (BrokenPipeError, OSError):  # the program exited without reading its input
+        pass
 
 
 def _kill_group(pid: int) -> None:

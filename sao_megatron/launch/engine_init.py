@@ -57,7 +57,7 @@ def write_bootstrap(cfg: ExperimentConfig, out: pathlib.Path) -> None:
 
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    write_hf_template(cfg.model, build_task(cfg.data), tmp)
+    write_hf_template(cfg.model, build_task(cfg.data, model=cfg.model), tmp)
     template_config = (tmp / "config.json").read_text()
     torch.manual_seed(cfg.run.seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp))

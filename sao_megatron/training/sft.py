@@ -15,7 +15,7 @@ import random
 from sao_megatron.models.actor import token_logprobs
 from sao_megatron.scheduler.sample import collate, demonstration_sample
 from sao_megatron.training import rl_step
-from sao_megatron.training.collectives import broadcast_object
+from sao_megatron.training.collectives import broadcast_object, rank0_call
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ def supervised_warmup(trainer) -> list[float]:
     """``run.sft_steps`` cross-entropy steps on demonstrations; returns the loss per step."""
     cfg, ctx, actor = trainer.cfg, trainer.ctx, trainer.actor
     rng = random.Random(cfg.run.seed + 17)
+    rank0_call(lambda: trainer.task.check_demonstrations())  # e.g. a dataset without solutions: stop every rank
     losses = []
     for step in range(cfg.run.sft_steps):
         samples = broadcast_object(demonstration_batch(trainer.task, rng, cfg.run.sft_batch_size)

@@ -54,7 +54,7 @@ class Trainer:
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_resolved(cfg, self.run_dir)
-        self.task = rank0_call(lambda: build_task(cfg.data))  # bad datasets fail here, on every rank
+        self.task = rank0_call(lambda: build_task(cfg.data, model=cfg.model))  # bad datasets fail here, on every rank
         steps = cfg.run.num_steps
         self.actor = build_actor(cfg.model, cfg.actor.optimizer, self.ctx, total_steps=steps,
                                  recompute=cfg.actor.recompute_granularity)

@@ -1,0 +1,116 @@
+"""Shared base of the natural-language tasks (``math``, ``code``) read from a JSONL dataset.
+
+Each line holds ``"prompt"`` (text) or ``"messages"`` (chat form: ``[{"role": ..., "content": ...}]``)
+plus the task's fields. With a chat tokenizer (``model.hf_dir`` set) the prompt is rendered by the
+checkpoint's chat template with the assistant's generation prompt; ``data.options``:
+
+- ``chat_template`` (default true): false feeds the raw text (bos + system prompt + prompt).
+- ``system_prompt`` (default ""): a system message put before every prompt.
+- ``instruction`` (default ""): text appended to every user prompt (e.g. "Put the final answer in
+  \\boxed{}."), for datasets that do not carry it.
+
+An optional ``"solution"`` field is the reference response used by the supervised warm-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sao_megatron.config.schema import DataConfig
+from sao_megatron.envs.arithmetic import parse_options
+from sao_megatron.envs.base import Prompt, Task
+from sao_megatron.envs.dataset import DatasetError, load_jsonl
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class TextTask(Task):
+    """Prompts from ``data.path``; subclasses add the fields they need and the reward."""
+
+    name = "text"
+    required: tuple[str, ...] = ()
+    """Fields every dataset line must have besides the prompt."""
+    example = '{"prompt": "..."}'
+    """One dataset line, for error messages."""
+    defaults: dict[str, Any] = {"chat_template": True, "system_prompt": "", "instruction": ""}
+
+    def __init__(self, data: DataConfig, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.opts = parse_options(data.options, self.defaults, self.name)
+        if data.path is None:
+            raise ValueError(f"data.task={self.name!r} needs data.path: a JSONL file with one object per line "
+                             f"like {self.example} (see examples/data/ for a sample)")
+        self.path = data.path
+        self._prompts = load_jsonl(data.path, tokenizer, max_prompt_tokens=data.max_prompt_tokens,
+                                   required=self.required, render=self.render, example=self.example)
+
+    def prompts(self) -> list[Prompt]:
+        return self._prompts
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(getattr(self.tokenizer, "stop_ids", [self.tokenizer.eos_id]))
+
+    @property
+    def uses_chat(self) -> bool:
+        return self.opts["chat_template"] and getattr(self.tokenizer, "has_chat_template", False)
+
+    def render(self, rec: dict[str, Any]) -> list[int]:
+        """Prompt tokens of one dataset line (ValueError saying what is wrong with it)."""
+        messages = self._messages(rec)
+        tok = self.tokenizer
+        if self.uses_chat:
+            return tok.encode(tok.render_chat(messages))
+        text = "\n\n".join(str(m["content"]) for m in messages)
+        return ([] if tok.bos_id is None else [tok.bos_id]) + tok.encode(text)
+
+    def _messages(self, rec: dict[str, Any]) -> list[dict[str, Any]]:
+        if "messages" in rec:
+            msgs = rec["messages"]
+            if not (isinstance(msgs, list) and msgs and all(
+                    isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str)
+                    for m in msgs)):
+                raise ValueError(f"'messages' must be a non-empty list of {{\"role\": one of {list(_ROLES)}, "
+                                 "\"content\": text}")
+            msgs = [dict(m) for m in msgs]
+        else:
+            msgs = [{"role": "user", "content": rec["prompt"]}]
+        if self.opts["instruction"]:
+            last_user = max(i for i, m in enumerate(msgs) if m["role"] == "user") if any(
+                m["role"] == "user" for m in msgs) else None
+            if last_user is None:
+                raise ValueError("'messages' has no user message to append data.options.instruction to")
+            msgs[last_user]["content"] += "\n\n" + self.opts["instruction"]
+        if self.opts["system_prompt"] and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": self.opts["system_prompt"]})
+        return msgs
+
+    def decode_actions(self, trajectory_ids: list[int], action_mask: list[int]) -> str:
+        """Text of the policy's tokens up to the first stop token (eos or end of turn)."""
+        ids = [t for t, m in zip(trajectory_ids, action_mask) if m]
+        stops = set(self.stop_token_ids)
+        end = next((k for k, t in enumerate(ids) if t in stops), len(ids))
+        return self.tokenizer.decode(ids[:end], skip_special=True, strict=False)
+
+    def ended(self, trajectory_ids: list[int]) -> bool:
+        """The response was closed by a stop token (not cut at the length limit)."""
+        return not set(self.stop_token_ids).isdisjoint(trajectory_ids)
+
+    # ------------------------------------------------------------------ supervised warm-up
+    def check_demonstrations(self) -> None:
+        missing = [p.index for p in self._prompts if not isinstance(p.meta.get("solution"), str)]
+        if missing:
+            raise DatasetError(
+                f"the supervised warm-up (run.sft_steps > 0) needs a reference response per prompt, but "
+                f"{len(missing)} of {len(self._prompts)} lines of data.path={str(self.path)!r} have no string "
+                f"'solution' field (first: line {missing[0] + 1}); set run.sft_steps: 0, or add "
+                "\"solution\": \"<the full reference response>\" to every line")
+
+    def demonstration(self, prompt: Prompt) -> list[int]:
+        """The line's ``solution`` followed by the end-of-turn token."""
+        solution = prompt.meta.get("solution")
+        if not isinstance(solution, str):
+            self.check_demonstrations()
+        tok = self.tokenizer
+        return tok.encode(solution) + [getattr(tok, "eot_id", tok.eos_id)]
+
