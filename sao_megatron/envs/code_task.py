@@ -109,8 +109,8 @@ class CodeTask(TextTask):
     name = "code"
     required = ("tests",)
     example = '{"prompt": "Write a Python function add(a, b).", "tests": "assert add(1, 2) == 3"}'
-    defaults: dict[str, Any] = {**TextTask.defaults, "partial_credit": False, "timeout_s": 10.0,
-                                "cpu_s": 10.0, "memory_mb": 1024, "max_output_bytes": 65536}
+    defaults: dict[str, Any] = {**TextTask.defaults, "partial_credit": False, "timeout_s": 5.0,
+                                "cpu_s": 5.0, "memory_mb": 1024, "max_output_bytes": 65536}
 
     def __init__(self, data, tokenizer) -> None:
         super().__init__(data, tokenizer)
