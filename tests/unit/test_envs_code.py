@@ -41,7 +41,8 @@ def test_extract_code(response, want):
 
 def test_split_tests_counts_asserts_and_keeps_setup():
     units = split_tests("import math\nxs = [1, 2]\nassert math.fsum(xs) == 3\nassert len(xs) == 2")
-    assert units == [("import math", 0), ("xs = [1, 2]", 0), ("assert math.fsum(xs) == 3", 1), ("assert len(xs) == 2", 1)]
+    assert units == [("import math", 0), ("xs = [1, 2]", 0), ("assert math.fsum(xs) == 3", 1),
+                     ("assert len(xs) == 2", 1)]
     assert split_tests(["assert f(1) == 1", "x = f(2)\nassert x == 2"]) == [
         ("assert f(1) == 1", 1), ("x = f(2)\nassert x == 2", 1)]
     with pytest.raises(SyntaxError):
