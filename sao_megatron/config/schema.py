@@ -273,9 +273,9 @@ class DataConfig:
     """Prompts, environment and reward."""
 
     task: str = "arithmetic"
-    """Task/environment name (see sao_megatron.envs)."""
+    """Task/environment name: arithmetic, calculator, math, code (see sao_megatron.envs)."""
     path: str | None = None
-    """JSONL dataset; None uses the task's built-in generator."""
+    """JSONL dataset; None uses the task's built-in generator (math and code have none: required)."""
     num_prompts: int = 4096
     """Prompts drawn from the generator (ignored with path)."""
     max_prompt_tokens: int = 64
@@ -293,7 +293,7 @@ class DataConfig:
     seed: int = 0
     """Seed for the generator and shuffling."""
     options: dict[str, int | float | str | bool] = field(default_factory=dict)
-    """Task-specific options."""
+    """Task-specific options (e.g. math/code: chat_template, system_prompt, instruction; see the task's module)."""
 
 
 @cfg
