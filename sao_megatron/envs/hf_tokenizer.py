@@ -55,17 +55,16 @@ class HFTokenizer:
     def decode(self, ids: list[int], *, skip_special: bool = False, strict: bool = True) -> str:
         """Ids -> text. Ids outside the tokenizer (a model's padded vocabulary) raise, or with
         ``strict=False`` decode to U+FFFD."""
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad and strict:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        parts: list[str] = []
-        run: list[int] = []
+        if strict and any(not 0 <= i < self.vocab_size for i in ids):
+            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        parts, run = [], []  # decode runs of known ids; each unknown id becomes U+FFFD between them
         for i in ids:
             if 0 <= i < self.vocab_size:
                 run.append(i)
-                continue
-            parts.append(self.hf.decode(run, skip_special_tokens=skip_special) + "\ufffd")
-            run = []
+            else:
+                parts.append(self.hf.decode(run, skip_special_tokens=skip_special) + "\ufffd")
+                run = []
         parts.append(self.hf.decode(run, skip_special_tokens=skip_special))
         return "".join(parts)
 

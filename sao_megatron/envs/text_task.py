@@ -76,11 +76,10 @@ class TextTask(Task):
         else:
             msgs = [{"role": "user", "content": rec["prompt"]}]
         if self.opts["instruction"]:
-            last_user = max(i for i, m in enumerate(msgs) if m["role"] == "user") if any(
-                m["role"] == "user" for m in msgs) else None
-            if last_user is None:
+            users = [m for m in msgs if m["role"] == "user"]
+            if not users:
                 raise ValueError("'messages' has no user message to append data.options.instruction to")
-            msgs[last_user]["content"] += "\n\n" + self.opts["instruction"]
+            users[-1]["content"] += "\n\n" + self.opts["instruction"]
         if self.opts["system_prompt"] and msgs[0]["role"] != "system":
             msgs.insert(0, {"role": "system", "content": self.opts["system_prompt"]})
         return msgs
