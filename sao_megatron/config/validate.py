@@ -142,6 +142,9 @@ def check_training(cfg: ExperimentConfig) -> list[str]:
     if cfg.data.task in _DATASET_TASKS and cfg.data.path is None:
         errs.append(f"data.task={cfg.data.task} needs data.path: a JSONL file, one object per line like "
                     f"{_DATASET_TASKS[cfg.data.task]} (examples/data/{cfg.data.task}_sample.jsonl shows the format)")
+    if cfg.resources.offload_idle_optimizer and cfg.model.params_dtype == "fp32":
+        errs.append("resources.offload_idle_optimizer needs model.params_dtype bf16 or fp16: with fp32 params the "
+                    "optimizer's params are the model's own weights, which forward passes need on the device")
     return errs
 
 

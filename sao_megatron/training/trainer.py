@@ -32,6 +32,7 @@ from sao_megatron.training.distributed import init_distributed
 from sao_megatron.training.export import ExportPlan, iter_hf_tensors
 from sao_megatron.training.metrics_log import MetricsLogger
 from sao_megatron.training.models import build_actor, build_critic
+from sao_megatron.training.offload import park, resident
 from sao_megatron.training.run_state import CheckpointManager, capture_rng, restore_rng, write_json_atomic
 from sao_megatron.training.step_metrics import batch_metrics, policy_metrics, value_metrics
 
@@ -70,6 +71,9 @@ class Trainer:
         self.logger = (MetricsLogger(self.run_dir, cfg.logging, run_name=self.run_dir.name,
                                      config_dict=to_dict(cfg)) if self.rank0 else None)
         self._stop_signal: int | None = None
+        self.offload = cfg.resources.offload_idle_optimizer  # only the stepping model's optimizer on the GPU
+        if self.offload:  # Megatron logs every move at INFO (four lines a step); its setup lines are done by now
+            logging.getLogger("megatron.core.optimizer.optimizer").setLevel(logging.WARNING)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -84,6 +88,9 @@ class Trainer:
                 if self.rank0:  # a run killed before its first checkpoint starts over
                     (self.run_dir / "audit.jsonl").unlink(missing_ok=True)
                 self._initial_weights()
+            for model in (self.actor, self.critic):  # loaded and warmed up: the optimizers go idle
+                if model is not None:
+                    park(model, offload=self.offload)
             self._start_rollout(state)
             if state is None and self.critic is not None and self.cfg.critic.pretrain_steps:
                 self._pretrain_critic()
@@ -127,12 +134,14 @@ class Trainer:
         batch.outcome_advantages = rl_step.outcome_advantages(full, cfg.algorithm, self.baseline)
         values = rl_step.critic_values(self.critic, batch, ctx=ctx) if self.critic else None
         rl_step.attach_advantages(batch, cfg.algorithm, values)
-        actor = rl_step.actor_update(self.actor, batch, cfg.algorithm, ctx=ctx, vocab_size=cfg.model.vocab_size,
-                                     temperature=cfg.rollout.temperature, entropy_coef=cfg.actor.entropy_coef)
+        with resident(self.actor, offload=self.offload):
+            actor = rl_step.actor_update(self.actor, batch, cfg.algorithm, ctx=ctx, vocab_size=cfg.model.vocab_size,
+                                         temperature=cfg.rollout.temperature, entropy_coef=cfg.actor.entropy_coef)
         local = policy_metrics(batch, actor.outputs, cfg.algorithm) if actor.outputs else {}
         if self.critic is not None:
-            critic_results = [rl_step.critic_update(self.critic, batch, ctx=ctx, value_clip=cfg.critic.value_clip)
-                              for _ in range(cfg.critic.num_updates_per_step)]
+            with resident(self.critic, offload=self.offload):
+                critic_results = [rl_step.critic_update(self.critic, batch, ctx=ctx, value_clip=cfg.critic.value_clip)
+                                  for _ in range(cfg.critic.num_updates_per_step)]
             local |= value_metrics(batch, critic_results) if actor.outputs else {}
         contributes = ctx.is_last_stage and ctx.tp_rank == 0
         metrics = gather_metrics(local if contributes else {}, float(sum(mb["action_mask"].sum()
@@ -199,8 +208,9 @@ class Trainer:
                                               max_tokens=cfg.critic.max_tokens_per_microbatch,
                                               pad_multiple=self.ctx.tp_size)
             rl_step.attach_advantages(batch, cfg.algorithm, rl_step.critic_values(self.critic, batch, ctx=self.ctx))
-            results = [rl_step.critic_update(self.critic, batch, ctx=self.ctx, value_clip=cfg.critic.value_clip)
-                       for _ in range(cfg.critic.num_updates_per_step)]
+            with resident(self.critic, offload=self.offload):
+                results = [rl_step.critic_update(self.critic, batch, ctx=self.ctx, value_clip=cfg.critic.value_clip)
+                           for _ in range(cfg.critic.num_updates_per_step)]
             self._audit(samples, phase="value_pretrain")
             if self.rank0:  # no policy update happened: the staleness budget must not shrink
                 self.rollout.reset_admission_budget()
@@ -240,9 +250,11 @@ class Trainer:
         if self.rank0:
             self.ckpt.begin(self.step)
         dist.barrier()
-        save_checkpoint(part / "actor", self.actor.chunks, self.actor.optimizer)
+        with resident(self.actor, offload=self.offload):
+            save_checkpoint(part / "actor", self.actor.chunks, self.actor.optimizer)
         if self.critic is not None:
-            save_checkpoint(part / "critic", self.critic.chunks, self.critic.optimizer)
+            with resident(self.critic, offload=self.offload):
+                save_checkpoint(part / "critic", self.critic.chunks, self.critic.optimizer)
         (part / "rng").mkdir(exist_ok=True)
         torch.save(capture_rng(), part / "rng" / f"rank_{dist.get_rank()}.pt")
         if self.rank0:

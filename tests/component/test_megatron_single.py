@@ -76,6 +76,16 @@ def test_recompute_granularity_reaches_megatron_and_keeps_gradients(single):
     assert single["recompute_selective_grad_diff"] < 1e-6
 
 
+def test_offload_idle_optimizer_frees_grad_buffers_and_keeps_training_identical(single):
+    """Parked (outside ``resident``) the gradient buffers hold no memory; inside they are back; three
+    bf16 steps with offloading give exactly the losses and weights of three steps without."""
+    parked, inside = single["offload_bytes"]["True"]
+    assert parked == [0, 0, 0] and min(inside) > 0
+    assert single["offload_bytes"]["False"] == [inside, inside]
+    assert single["offload_losses"][0] == single["offload_losses"][1]
+    assert single["offload_param_diff"] == 0.0 and single["offload_params_changed"] > 0
+
+
 def test_recompute_fields_reject_unknown_granularity():
     from sao_megatron.models.builder import recompute_fields
 

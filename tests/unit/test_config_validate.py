@@ -88,6 +88,8 @@ def test_valid_base_config_passes():
      ["resources.rollout_nodes=3 x 8 GPUs do not split", "multiple of 2 rollout nodes"]),
     ({"resources": {"rollout_mem_fraction": 1.5}}, ["resources.rollout_mem_fraction in (0, 1]"]),
     ({"resources": {"nodes": 0}}, ["resources.nodes=0 must be >= 1"]),
+    ({"resources": {"offload_idle_optimizer": True}},
+     ["resources.offload_idle_optimizer needs model.params_dtype bf16 or fp16"]),
 ])
 def test_violations_name_keys_and_fix(sections, must_contain):
     text = message(make(**sections))

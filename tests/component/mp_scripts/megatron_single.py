@@ -8,6 +8,7 @@ asserts on them against slow, obviously-correct references computed here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -22,6 +23,8 @@ from sao_megatron.models.critic import PARAM_GROUPS, freeze_for_critic, param_gr
 from sao_megatron.training.checkpoint import load_checkpoint, save_checkpoint
 from sao_megatron.training.distributed import destroy, init_distributed
 from sao_megatron.training.forward import compute_logprobs, compute_values
+from sao_megatron.training.models import TrainedModel
+from sao_megatron.training.offload import grad_buffer_bytes, park, resident
 from sao_megatron.training.optim import setup_optimizer, train_step
 
 GLM = ModelConfig(
@@ -164,6 +167,41 @@ def check_recompute(ctx, mbs, out: dict) -> None:
     out["recompute_num_grads"] = len(grads["none"])
 
 
+def check_offload(ctx, mbs, out: dict) -> None:
+    """resources.offload_idle_optimizer: bf16 actor, distributed optimizer. Parked, the grad buffers
+    hold no memory; inside ``resident`` they are back; losses and weights equal a run without offload."""
+    model_cfg = dataclasses.replace(GLM, params_dtype="bf16")
+    num_tokens = sum(float(mb["tokens"].numel()) for mb in mbs)
+
+    def loss_fn(logits, mb):
+        loss = logits.float().logsumexp(-1).sum() / num_tokens
+        return loss, {"loss": loss.detach()}
+
+    init, runs = None, {}
+    for offload in (False, True):
+        chunks = build_model_chunks(model_cfg, ctx)
+        if init is None:
+            init = {k: v.clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
+        chunks[0].load_state_dict(init, strict=False)
+        ddp, opt, sched = setup_optimizer(chunks, OptimizerConfig(lr=1e-2), ctx, total_steps=4)
+        model = TrainedModel(chunks=chunks, ddp=ddp, optimizer=opt, scheduler=sched, param_counts={})
+        park(model, offload=offload)
+        run = {"losses": [], "bytes_parked": [], "bytes_resident": []}
+        for _ in range(3):
+            run["bytes_parked"].append(grad_buffer_bytes(model))
+            with resident(model, offload=offload):
+                run["bytes_resident"].append(grad_buffer_bytes(model))
+                res = train_step(ddp, opt, sched, mbs, loss_fn, ctx=ctx)
+            run["losses"].append(float(sum(m["loss"] for m in res.metrics)))
+        run["params"] = {n: p.detach().float().clone() for n, p in chunks[0].named_parameters()}
+        runs[offload] = run
+    out["offload_losses"] = [runs[False]["losses"], runs[True]["losses"]]
+    out["offload_param_diff"] = max(float((p - runs[True]["params"][n]).abs().max())
+                                    for n, p in runs[False]["params"].items())
+    out["offload_params_changed"] = max(float((p - init[n].float()).abs().max()) for n, p in runs[True]["params"].items())
+    out["offload_bytes"] = {str(k): [r["bytes_parked"], r["bytes_resident"]] for k, r in runs.items()}
+
+
 def main(out_path: str, workdir: str) -> None:
     out: dict = {}
     cpu_support.apply_cpu_shims()
@@ -183,6 +221,7 @@ def main(out_path: str, workdir: str) -> None:
     check_critic(actor, ctx, mbs, workdir, out)
     check_direct_backward(actor, mbs, out)
     check_recompute(ctx, mbs, out)
+    check_offload(ctx, mbs, out)
     out["known_groups"] = list(PARAM_GROUPS)
     with open(out_path, "w") as f:
         json.dump(out, f, indent=1)
