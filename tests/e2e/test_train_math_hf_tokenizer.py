@@ -19,9 +19,6 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "experiments" / "tiny_cpu.yaml"
-# tiny_moe.yaml spells kv_channels 16 (= hidden/heads); read back from an HF config.json that is
-# None, and load_hf_dir compares the two literally.
-_MODEL = ["model.kv_channels=null"]
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +41,7 @@ def make_hf_dir(out: pathlib.Path, data_path: str) -> None:
 
     _tiny_tokenizer_module().build_tokenizer(out)
     cfg = load_config(CONFIG, [f"model.hf_dir={out}", "data.task=math", f"data.path={data_path}",
-                               "data.max_prompt_tokens=24", "data.options={}", *_MODEL], check=False)
+                               "data.max_prompt_tokens=24", "data.options={}"], check=False)
     write_hf_template(cfg.model, build_task(cfg.data, model=cfg.model), out)
     config_text = (out / "config.json").read_text()
     torch.manual_seed(0)
@@ -61,7 +58,7 @@ def write_data(path: pathlib.Path, *, solutions: bool) -> pathlib.Path:
 
 def train(tmp_path, data: pathlib.Path, hf_dir: pathlib.Path) -> tuple[subprocess.CompletedProcess, pathlib.Path]:
     run_dir = tmp_path / "run"
-    sets = [*_MODEL, f"model.hf_dir={hf_dir}", "data.task=math", "data.options={}", f"data.path={data}",
+    sets = [f"model.hf_dir={hf_dir}", "data.task=math", "data.options={}", f"data.path={data}",
             "data.max_prompt_tokens=24", "data.max_total_tokens=40", "rollout.max_new_tokens=12", "run.num_steps=3",
             "run.sft_steps=2", "run.sft_batch_size=8", "scheduler.batch_size=8", "scheduler.concurrency=16",
             "critic.pretrain_steps=1", "checkpoint.save_interval=0", "logging.log_interval=1"]

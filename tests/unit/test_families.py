@@ -134,6 +134,21 @@ def test_model_configs_a_family_cannot_express_are_rejected():
         hf_config_from_model(dataclasses.replace(glm, moe_layer_freq=[1, 0]))
 
 
+def test_explicit_default_head_dim_is_the_same_architecture(tmp_path):
+    """kv_channels = hidden/heads spelled out (tiny_moe.yaml) equals None, also after a config.json round trip;
+    a different head dim is still a difference."""
+    from sao_megatron.config import load_config
+    from sao_megatron.models.families import architecture_diff
+
+    model = load_config(pathlib.Path(__file__).resolve().parents[2] / "configs/experiments/tiny_cpu.yaml").model
+    assert model.kv_channels == model.hidden_size // model.num_attention_heads  # spelled out in the YAML
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_model(model)))
+    assert architecture_diff(model, model_config_from_hf(tmp_path)) == []
+    assert architecture_diff(model, dataclasses.replace(model, kv_channels=None)) == []
+    assert architecture_diff(model, dataclasses.replace(model, kv_channels=model.kv_channels * 2)) == [
+        f"kv_channels: {model.kv_channels} vs {model.kv_channels * 2}"]
+
+
 def test_family_lookup_by_architecture_then_model_type():
     assert family_for_hf({"architectures": ["Glm4MoeForCausalLM"]}).name == "glm4_moe"
     assert family_for_hf({"model_type": "qwen3_moe"}).name == "qwen3_moe"

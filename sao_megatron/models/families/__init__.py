@@ -78,6 +78,17 @@ _NOT_ARCHITECTURE = {"params_dtype", "max_position_embeddings", "hf_dir", "init_
 
 
 def architecture_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
-    """'field: a vs b' for every architecture field on which two model configs disagree."""
+    """'field: a vs b' for every architecture field on which two model configs disagree.
+
+    ``kv_channels`` None means hidden_size / num_attention_heads (Megatron's default): an explicit
+    value equal to that is the same architecture (config.json always spells head_dim out).
+    """
+    a, b = _explicit_head_dim(a), _explicit_head_dim(b)
     return [f"{f.name}: {getattr(a, f.name)!r} vs {getattr(b, f.name)!r}" for f in dataclasses.fields(ModelConfig)
             if f.name not in _NOT_ARCHITECTURE and getattr(a, f.name) != getattr(b, f.name)]
+
+
+def _explicit_head_dim(cfg: ModelConfig) -> ModelConfig:
+    if cfg.kv_channels is not None:
+        return cfg
+    return dataclasses.replace(cfg, kv_channels=cfg.hidden_size // cfg.num_attention_heads)
