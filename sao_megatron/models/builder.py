@@ -56,19 +56,22 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = VOCAB_D
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
-def recompute_fields(granularity: str) -> dict:
+def recompute_fields(granularity: str, *, use_te: bool = False, grouped_gemm: bool = False) -> dict:
     """Megatron's activation-recompute fields for ``actor/critic.recompute_granularity``.
 
     ``full``: every transformer layer is one checkpointed unit (uniform, 1 layer per unit): only
     each layer's input is kept, the rest is recomputed in backward (the planner's `full` estimate).
-    ``selective``: Megatron's default selective set (core attention).
+    ``selective``: with Transformer Engine core attention, the norms and (grouped GEMM experts) the
+    MoE activation, the set the planner's `selective` estimate drops; without TE only core
+    attention (Megatron's norm recompute needs TE, its MoE-activation recompute grouped GEMM).
     """
     if granularity not in RECOMPUTE_CHOICES:
         raise ValueError(f"recompute_granularity must be one of {RECOMPUTE_CHOICES}, got {granularity!r}")
     if granularity == "full":
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if granularity == "selective":
-        return dict(recompute_granularity="selective")
+        modules = ["core_attn"] + (["layernorm"] if use_te else []) + (["moe_act"] if grouped_gemm else [])
+        return dict(recompute_granularity="selective", recompute_modules=modules)
     return {}
 
 
@@ -111,7 +114,7 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *, us
         # directly (which also keeps the CPU device mode active inside custom backwards).
         deallocate_pipeline_outputs=True,
     )
-    kwargs |= recompute_fields(recompute)
+    kwargs |= recompute_fields(recompute, use_te=use_te, grouped_gemm=kwargs["moe_grouped_gemm"])
     return TransformerConfig(**kwargs)
 
 

@@ -64,13 +64,14 @@ def test_compute_logprobs_matches_a_direct_forward(single):
 
 def test_recompute_granularity_reaches_megatron_and_keeps_gradients(single):
     """actor/critic.recompute_granularity: full re-runs every layer in backward, selective only core
-    attention, none neither; gradients equal the no-recompute ones."""
-    assert single["recompute_none_config"] == [None, None, None]
-    assert single["recompute_full_config"] == ["full", "uniform", 1]
-    assert single["recompute_selective_config"] == ["selective", None, None]
-    assert single["recompute_none_calls"] == {"layer": 1, "core_attn": 1}
-    assert single["recompute_full_calls"] == {"layer": 2, "core_attn": 2}
-    assert single["recompute_selective_calls"] == {"layer": 1, "core_attn": 2}
+    attention (local spec), none nothing; gradients equal the no-recompute ones."""
+    assert single["recompute_none_config"][:3] == [None, None, None]
+    assert single["recompute_full_config"][:3] == ["full", "uniform", 1]
+    # Local spec: Megatron recomputes norms only with TE and the MoE activation only with grouped GEMM.
+    assert single["recompute_selective_config"] == ["selective", None, None, ["core_attn"]]
+    assert single["recompute_none_calls"] == {"layer": 1, "core_attn": 1, "input_norm": 1, "experts": 1}
+    assert single["recompute_full_calls"] == {"layer": 2, "core_attn": 2, "input_norm": 2, "experts": 2}
+    assert single["recompute_selective_calls"] == {"layer": 1, "core_attn": 2, "input_norm": 1, "experts": 1}
     assert single["recompute_num_grads"] > 10
     assert single["recompute_full_grad_diff"] < 1e-6
     assert single["recompute_selective_grad_diff"] < 1e-6
@@ -91,6 +92,9 @@ def test_recompute_fields_reject_unknown_granularity():
 
     with pytest.raises(ValueError, match="recompute_granularity"):
         recompute_fields("partial")
+    # With Transformer Engine (GPU) the norms and the grouped-GEMM MoE activation are recomputed too.
+    assert recompute_fields("selective", use_te=True, grouped_gemm=True)["recompute_modules"] == [
+        "core_attn", "layernorm", "moe_act"]
 
 
 def test_padded_vocab_size():

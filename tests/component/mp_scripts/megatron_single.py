@@ -150,16 +150,17 @@ def check_recompute(ctx, mbs, out: dict) -> None:
             state = {k: v.clone() for k, v in model.state_dict().items() if v is not None and torch.is_tensor(v)}
         model.load_state_dict(state, strict=False)
         model.train()
-        calls = {"layer": 0, "core_attn": 0}
-        model.decoder.layers[1].register_forward_hook(lambda *_: calls.__setitem__("layer", calls["layer"] + 1))
-        model.decoder.layers[1].self_attention.core_attention.register_forward_hook(
-            lambda *_: calls.__setitem__("core_attn", calls["core_attn"] + 1))
+        calls = {"layer": 0, "core_attn": 0, "input_norm": 0, "experts": 0}
+        layer = model.decoder.layers[1]
+        for name, module in (("layer", layer), ("core_attn", layer.self_attention.core_attention),
+                             ("input_norm", layer.input_layernorm), ("experts", layer.mlp.experts)):
+            module.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
         logits = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), mask)
         logits.float().logsumexp(-1).mean().backward()
         grads[granularity] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         out[f"recompute_{granularity}_calls"] = calls
         out[f"recompute_{granularity}_config"] = [model.config.recompute_granularity, model.config.recompute_method,
-                                                   model.config.recompute_num_layers]
+                                                   model.config.recompute_num_layers, model.config.recompute_modules]
     for granularity in ("full", "selective"):
         same_keys = grads[granularity].keys() == grads["none"].keys()
         diff = max(float((grads[granularity][n] - g).abs().max()) for n, g in grads["none"].items())
