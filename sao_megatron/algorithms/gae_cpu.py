@@ -33,50 +33,25 @@ _MIN_ELEMENTS_PER_THREAD = 1 << 16
 
 
 @numba.njit(nogil=True, cache=True, fastmath={"contract"})
-def _skip_observation_rows(rewards, values, mask, gamma, gamma_lam, advantages, returns, lo, hi):
-    """Skip-observation GAE for rows ``[lo, hi)`` (DESIGN.md §1), walking each row backwards.
+def _gae_rows_kernel(rewards, values, mask, gamma, gamma_lam, skip_observations, advantages, returns, lo, hi):
+    """GAE for rows ``[lo, hi)``, walking each row backwards (DESIGN.md §1).
 
-    Over the action positions ``a_1 < … < a_K``: ``δ_k = r[a_k] + γ V[a_{k+1}] − V[a_k]`` with
-    ``V[a_{K+1}] = 0``, ``Â_k = δ_k + γλ Â_{k+1}``, ``G_k = Â_k + V[a_k]``. A reward on a non-action
-    token is folded into the last action before it (``pending``); one before the first action is
-    dropped. Observation values are never read.
+    ``skip_observations``: over the action positions ``a_1 < … < a_K``, ``δ_k = r[a_k] + γ V[a_{k+1}]
+    − V[a_k]`` with ``V[a_{K+1}] = 0``, ``Â_k = δ_k + γλ Â_{k+1}``, ``G_k = Â_k + V[a_k]``;
+    observation values are never read. Otherwise every position up to the row's last action token
+    is a step (observation tokens: reward 0 after folding, their own values), the value after the
+    last action is 0. Either way a reward on a non-action token is folded into the last action
+    before it (``pending``), one before the first action is dropped, and outputs are 0 off the mask.
     """
     length = rewards.shape[1]
     for b in range(lo, hi):
         r, v, m, adv, ret = rewards[b], values[b], mask[b], advantages[b], returns[b]
         pending = 0.0  # rewards seen since (after) the next action to the left
-        next_value = 0.0  # V of the next action token to the right (terminal: 0)
-        last = 0.0  # Â of the next action token to the right
-        t = np.uint64(length)
-        while t > 0:  # an unsigned index: no negative-index wraparound check (1.5x faster, measured)
-            t -= np.uint64(1)
-            if m[t]:
-                value = np.float64(v[t])
-                last = (r[t] + pending + gamma * next_value - value) + gamma_lam * last
-                adv[t] = last
-                ret[t] = last + value
-                next_value = value
-                pending = 0.0
-            else:
-                pending += r[t]
-                adv[t] = 0.0
-                ret[t] = 0.0
-
-
-@numba.njit(nogil=True, cache=True, fastmath={"contract"})
-def _token_level_rows(rewards, values, mask, gamma, gamma_lam, advantages, returns, lo, hi):
-    """Plain token-level GAE for rows ``[lo, hi)``: every position up to the row's last action token
-    is a step (observation tokens: reward 0 after folding, their own values); the value after the
-    last action is 0 (terminal). Outputs are 0 off the action mask."""
-    length = rewards.shape[1]
-    for b in range(lo, hi):
-        r, v, m, adv, ret = rewards[b], values[b], mask[b], advantages[b], returns[b]
-        pending = 0.0
-        next_value = 0.0
-        last = 0.0
+        next_value = 0.0  # V of the next step to the right (terminal: 0)
+        last = 0.0  # Â of the next step to the right
         in_episode = False  # an action token at or after t
         t = np.uint64(length)
-        while t > 0:
+        while t > 0:  # an unsigned index: no negative-index wraparound check (1.5x faster, measured)
             t -= np.uint64(1)
             if m[t]:
                 value = np.float64(v[t])
@@ -90,7 +65,7 @@ def _token_level_rows(rewards, values, mask, gamma, gamma_lam, advantages, retur
                 pending += r[t]
                 adv[t] = 0.0
                 ret[t] = 0.0
-                if in_episode:
+                if in_episode and not skip_observations:  # an observation token is a step of its own
                     value = np.float64(v[t])
                     last = (gamma * next_value - value) + gamma_lam * last
                     next_value = value
@@ -116,13 +91,13 @@ def gae_rows(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *,
         out = tuple(torch.from_numpy(np.empty((num_rows, length), dtype=dtype)) for _ in range(2))
     if num_rows == 0 or length == 0:
         return out  # no elements
-    kernel = _skip_observation_rows if skip_observations else _token_level_rows
     arrays = [x.numpy() for x in (rewards, values, mask, *out)]
     num_threads = max(1, min(num_threads, num_rows, num_rows * length // _MIN_ELEMENTS_PER_THREAD))
     bounds = np.linspace(0, num_rows, num_threads + 1).round().astype(int).tolist()
-    args = [(*arrays[:3], float(gamma), float(gamma * lam), *arrays[3:], lo, hi) for lo, hi in zip(bounds, bounds[1:])]
-    futures = [_worker_pool(os.getpid(), num_threads - 1).submit(kernel, *a) for a in args[1:]]
-    kernel(*args[0])
+    args = [(*arrays[:3], float(gamma), float(gamma * lam), bool(skip_observations), *arrays[3:], lo, hi)
+            for lo, hi in zip(bounds, bounds[1:])]
+    futures = [_worker_pool(os.getpid(), num_threads - 1).submit(_gae_rows_kernel, *a) for a in args[1:]]
+    _gae_rows_kernel(*args[0])
     for future in futures:
         future.result()  # re-raises a worker's error
     return out
