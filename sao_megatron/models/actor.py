@@ -205,7 +205,7 @@ def token_logprobs(logits_bsv: torch.Tensor, tokens_bs: torch.Tensor, *, tp_grou
 
     logits_bsv: [b, s, V_local] vocab-parallel logits (GPTModel output with parallel_output=True),
     any float dtype (upcast to fp32 per chunk, never as a whole); tokens_bs: [b, s].
-    Returns (logprobs [b, s], entropy [b, s] or None), fp32, column 0 = 0.
+    Returns (logprobs [b, s], entropy [b, s] or None), fp32 (fp64 for fp64 logits), column 0 = 0.
     ``temperature`` divides the logits first (match the engine's sampling distribution).
     """
     # Row t predicts token t + 1; the last row predicts nothing (-1: no target, zero gradient).
