@@ -52,6 +52,24 @@ class LocalBatch:
     """Batch statistics known before the update (reward, lengths)."""
 
 
+def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+    """Every token id of a batch is a real vocabulary entry (the engines sample from the same model).
+
+    An id outside ``[0, vocab_size)`` means the engines serve a different model or tokenizer than
+    ``model.vocab_size`` describes; its log-prob would be -inf, so stop before training on it.
+    """
+    if tokens.numel() == 0:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        from sao_megatron.errors import SaoError
+
+        bad = high if high >= vocab_size else low
+        raise SaoError(f"a rollout holds token id {bad}, outside model.vocab_size={vocab_size}: the engines serve "
+                       "a model or tokenizer other than the configured one; point them at the trainer's weights "
+                       "(model.hf_dir) or set model.vocab_size to the checkpoint's vocabulary")
+
+
 def build_local_batch(full: dict[str, Any], *, dp_rank: int, dp_size: int, max_tokens: int,
                       pad_multiple: int) -> LocalBatch:
     """Split the collated global batch over DP (round-robin over length-sorted rows) into micro-batches."""

@@ -129,6 +129,7 @@ class Trainer:
     def _update(self, samples: list[Sample]) -> dict[str, Any]:
         cfg, ctx = self.cfg, self.ctx
         full = collate(samples, pad_to_multiple=ctx.tp_size)
+        rl_step.check_token_ids(full["tokens"], cfg.model.vocab_size)
         batch = rl_step.build_local_batch(full, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
                                           max_tokens=cfg.actor.max_tokens_per_microbatch, pad_multiple=ctx.tp_size)
         batch.outcome_advantages = rl_step.outcome_advantages(full, cfg.algorithm, self.baseline)
@@ -204,6 +205,7 @@ class Trainer:
         for i in range(cfg.critic.pretrain_steps):
             samples = self._next_batch()
             full = collate(samples, pad_to_multiple=self.ctx.tp_size)
+            rl_step.check_token_ids(full["tokens"], cfg.model.vocab_size)
             batch = rl_step.build_local_batch(full, dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp_size,
                                               max_tokens=cfg.critic.max_tokens_per_microbatch,
                                               pad_multiple=self.ctx.tp_size)

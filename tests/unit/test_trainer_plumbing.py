@@ -140,3 +140,14 @@ def test_tensorboard_and_wandb_offline_sinks(tmp_path, monkeypatch):
     assert [round(e.value, 3) for e in acc.Scalars("reward/mean")] == [0.0, 0.1, 0.2]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
+
+
+def test_token_ids_outside_the_vocabulary_stop_the_update():
+    from sao_megatron.errors import SaoError
+    from sao_megatron.training.rl_step import check_token_ids
+
+    check_token_ids(torch.tensor([[0, 5, 99]]), vocab_size=100)
+    check_token_ids(torch.zeros(0, 3, dtype=torch.long), vocab_size=100)
+    for bad in (100, -1):
+        with pytest.raises(SaoError, match=f"token id {bad}, outside model.vocab_size=100"):
+            check_token_ids(torch.tensor([[0, bad, 3]]), vocab_size=100)
