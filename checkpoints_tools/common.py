@@ -48,7 +48,7 @@ def check_launch(tp: int, pp: int, ep: int) -> None:
 def bootstrap(model_cfg: ModelConfig, tp: int, pp: int, ep: int, *, seed: int = 0):
     """torch.distributed + Megatron parallel state + this rank's model chunks: (ctx, chunks)."""
     from sao_megatron.models.builder import build_model_chunks
-    from sao_megatron.training.distributed import init_distributed
+    from sao_megatron.parallel.bootstrap import init_distributed
 
     ctx = init_distributed(parallel_config(model_cfg, tp, pp, ep), seed=seed)
     chunks = build_model_chunks(model_cfg, ctx)
