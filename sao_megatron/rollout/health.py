@@ -36,23 +36,25 @@ def headers_for(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def probe(http: httpx.Client, base_url: str, *, paused: bool = False,
-          health_timeout_s: float = HEALTH_TIMEOUT_S) -> EngineState:
-    """One engine's state. ``paused``: the caller paused it, so /health (which would wait) is skipped."""
+async def probe(http: httpx.AsyncClient, base_url: str, *, paused: bool = False,
+                health_timeout_s: float = HEALTH_TIMEOUT_S) -> EngineState:
+    """One engine's state. ``paused``: the caller paused it, so /health (which would wait) is skipped.
+
+    No answer on /model_info within INFO_TIMEOUT_S: DEAD (gone or hung, e.g. SIGSTOP); /health is
+    then not asked, so a hung engine costs one short bound, not SGLang's 20 s."""
     base = base_url.rstrip("/")
     try:
-        info = http.get(f"{base}/model_info", timeout=INFO_TIMEOUT_S)
+        info_ok = (await http.get(f"{base}/model_info", timeout=INFO_TIMEOUT_S)).status_code == 200
     except httpx.HTTPError:
-        info = None
-    if info is not None and info.status_code == 200 and paused:
-        return EngineState.BUSY
+        return EngineState.DEAD
+    if paused:
+        return EngineState.BUSY if info_ok else EngineState.DEAD
     try:
-        reply = http.get(f"{base}/health", timeout=health_timeout_s)
-        if reply.status_code == 200:
+        if (await http.get(f"{base}/health", timeout=health_timeout_s)).status_code == 200:
             return EngineState.OK
     except httpx.HTTPError:
         pass
-    return EngineState.BUSY if info is not None else EngineState.DEAD
+    return EngineState.BUSY
 
 
 def wait_healthy(urls: Sequence[str], *, timeout_s: float, what: str = "engine", api_key: str | None = None,
