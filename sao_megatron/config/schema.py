@@ -143,6 +143,12 @@ class ActorConfig:
     """Activation recomputation."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
+    ppo_epochs: int = 1
+    """Passes over each batch (PPO-style). With >1 a clip against the old policy (grpo) bites; SAO's default is
+    one step per batch. The policy version advances once per batch, the LR schedule once per optimizer step."""
+    num_minibatches: int = 1
+    """Optimizer steps per pass: the batch is split into this many mini-batches (each normalised by its own
+    global token count)."""
     load: str | None = None
     """Megatron checkpoint to initialise the actor from (None: model.hf_dir or random)."""
 

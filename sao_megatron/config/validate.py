@@ -104,6 +104,11 @@ def resolved_mode(cfg: ExperimentConfig) -> str:
 def check_training(cfg: ExperimentConfig) -> list[str]:
     errs = []
     alg, sched, critic = cfg.algorithm, cfg.scheduler, cfg.critic
+    if cfg.actor.ppo_epochs < 1 or cfg.actor.num_minibatches < 1:
+        errs.append("actor.ppo_epochs and actor.num_minibatches must be >= 1 (1 and 1: one step per batch)")
+    elif cfg.actor.num_minibatches > sched.batch_size:
+        errs.append(f"actor.num_minibatches={cfg.actor.num_minibatches} exceeds scheduler.batch_size="
+                    f"{sched.batch_size}: a mini-batch needs at least one sample")
     if critic.num_updates_per_step < 1:
         errs.append(f"critic.num_updates_per_step={critic.num_updates_per_step} must be >= 1 (paper: K=2)")
     obj = objective(alg.name)
@@ -117,6 +122,9 @@ def check_training(cfg: ExperimentConfig) -> list[str]:
         if sched.batch_size % alg.group_size:
             errs.append(f"scheduler.batch_size={sched.batch_size} must be a multiple of "
                         f"algorithm.group_size={alg.group_size}")
+    if cfg.rollout.return_routed_experts:
+        errs.append("rollout.return_routed_experts=true collects the engines' routed experts, which nothing uses "
+                    "until routing replay lands (issue 18); remove it")
     if alg.running_mean == "exact" and alg.running_mean_momentum != 0.99:
         errs.append("algorithm.running_mean_momentum applies to the exponential running mean only; remove it or "
                     "set algorithm.running_mean=exponential")

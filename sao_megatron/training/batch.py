@@ -59,12 +59,13 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
 
 
 def prepare_batch(samples: list[Sample], *, dp_rank: int, dp_size: int, pad_multiple: int, max_tokens: int,
-                  vocab_size: int, device: torch.device | str) -> LocalBatch:
+                  vocab_size: int, device: torch.device | str, min_microbatches: int = 1) -> LocalBatch:
     """Collate the global batch, check its token ids, and give this DP rank its micro-batches.
 
     Rows are dealt round-robin over length-sorted samples (balanced DP shards), then packed into
     micro-batches of at most ``max_tokens`` padded tokens (``training.microbatch``), sequence
-    lengths padded to ``pad_multiple`` (the TP size, for sequence parallelism).
+    lengths padded to ``pad_multiple`` (the TP size, for sequence parallelism). ``min_microbatches``:
+    split micro-batches until there are at least this many (one per mini-batch of a PPO-style update).
     """
     full = collate(samples, pad_to_multiple=pad_multiple)
     check_token_ids(full["tokens"], vocab_size)
@@ -73,7 +74,12 @@ def prepare_batch(samples: list[Sample], *, dp_rank: int, dp_size: int, pad_mult
     mine = order[dp_rank::dp_size]
     tensors = {k: full[k] for k in PER_TOKEN_KEYS}
     tensors["action_mask"] = tensors["action_mask"].float()
-    plan = plan_microbatches([seq_lens[i] for i in mine], max_tokens=max_tokens, pad_multiple=pad_multiple)
+    plan = plan_microbatches([seq_lens[i] for i in mine], max_tokens=max_tokens, pad_multiple=pad_multiple,
+                             num_microbatches_multiple=min_microbatches)
+    if len(plan.indices) < min_microbatches:
+        raise SaoError(f"data-parallel rank {dp_rank} holds {len(mine)} samples, fewer than the "
+                       f"{min_microbatches} mini-batches asked for: lower actor.num_minibatches or raise "
+                       "scheduler.batch_size")
     device = torch.device(device)
     mbs = []
     for group, seq in zip(plan.indices, plan.seq_lengths):
@@ -83,3 +89,10 @@ def prepare_batch(samples: list[Sample], *, dp_rank: int, dp_size: int, pad_mult
         mbs.append(mb)
     return LocalBatch(microbatches=mbs, full=full, num_tokens=int(full["action_mask"].sum()),
                       num_sequences=len(seq_lens), device=device)
+
+
+def minibatch_groups(batch: LocalBatch, num_minibatches: int) -> list[list[int]]:
+    """Micro-batch indices of each mini-batch: contiguous, as even as the micro-batches allow."""
+    n = len(batch.microbatches)
+    bounds = [round(k * n / num_minibatches) for k in range(num_minibatches + 1)]
+    return [list(range(bounds[k], bounds[k + 1])) for k in range(num_minibatches)]

@@ -63,7 +63,8 @@ def build_components(cfg: ExperimentConfig, *, with_critic: bool = True) -> Comp
     obj = objective(cfg.algorithm.name)
     task = rank0_call(lambda: build_task(cfg.data, model=cfg.model))  # bad datasets stop every rank here
     steps = cfg.run.num_steps
-    actor = build_actor(cfg.model, cfg.actor, ctx, total_steps=steps)
+    # The actor's LR schedule advances once per optimizer step: ppo_epochs x num_minibatches per batch.
+    actor = build_actor(cfg.model, cfg.actor, ctx, total_steps=steps * cfg.actor.ppo_epochs * cfg.actor.num_minibatches)
     critic = build_critic(cfg.model, cfg.critic, ctx, total_steps=steps) if obj.critic and with_critic else None
     exporter = ExportPlan(actor.chunks, get_family(cfg.model.family).weight_map(cfg.model),
                           bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)

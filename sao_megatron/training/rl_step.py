@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from sao_megatron.algorithms import advantages as adv_lib
 from sao_megatron.algorithms import losses as loss_lib
@@ -27,7 +28,7 @@ from sao_megatron.config import AlgorithmConfig
 from sao_megatron.models.actor import token_logprobs
 from sao_megatron.models.critic import token_values
 from sao_megatron.parallel.collectives import combine_metrics
-from sao_megatron.training.batch import LocalBatch
+from sao_megatron.training.batch import LocalBatch, minibatch_groups
 from sao_megatron.training.forward import MicroBatch, compute_logprobs, compute_values
 from sao_megatron.training.optim import UpdateResult, optimizer_step
 
@@ -44,6 +45,10 @@ class PolicySettings:
     """rollout.temperature: log-probs are of the tempered distribution the engines sampled."""
     entropy_coef: float
     """actor.entropy_coef."""
+    ppo_epochs: int = 1
+    """actor.ppo_epochs: passes over the batch."""
+    num_minibatches: int = 1
+    """actor.num_minibatches: optimizer steps per pass."""
 
 
 def outcome_advantages(batch: LocalBatch, alg: AlgorithmConfig,
@@ -93,32 +98,65 @@ def policy_loss(obj: Objective, alg: AlgorithmConfig, lp: torch.Tensor, mb: Micr
 
 
 def actor_update(actor, batch: LocalBatch, alg: AlgorithmConfig, settings: PolicySettings, *, ctx) -> UpdateResult:
-    """One actor optimizer step over all micro-batches (the objective's loss).
-
-    ``outputs`` per micro-batch carry the loss's own metrics (DIS band, ratio/KL/ESS, clip
+    """The actor's optimizer steps on one batch: ``ppo_epochs`` passes of ``num_minibatches`` steps
+    (1 x 1 by default: SAO's single step). Each mini-batch's loss is normalised by its own global
+    counts. ``outputs`` of every step carry the loss's own metrics (DIS band, ratio/KL/ESS, clip
     fractions), ``entropy`` and ``num_action_tokens`` (their weight when combined).
     """
     obj = objective(alg.name)
-    if obj.ratio_against == "old_policy":  # PPO-clip against the policy before this update (no grad)
+    if obj.ratio_against == "old_policy":  # the policy before this batch's first step (recomputed, no grad)
         old = compute_logprobs(actor.chunks, batch.microbatches, ctx=ctx, vocab_size=settings.vocab_size,
                                temperature=settings.temperature)
         for mb, lp in zip(batch.microbatches, old):
             mb["old_logprobs"] = lp
-    counts = {"num_tokens": batch.num_tokens, "num_sequences": batch.num_sequences}
+    groups = minibatch_groups(batch, settings.num_minibatches)
+    counts = _global_counts(batch, groups, ctx)
+    results = []
+    for _ in range(settings.ppo_epochs):
+        for idx, count in zip(groups, counts):
+            mbs = [batch.microbatches[i] for i in idx]
+            results.append(optimizer_step(actor.ddp, actor.optimizer, actor.scheduler, mbs,
+                                          _policy_loss_fn(obj, alg, settings, count, ctx), ctx=ctx))
+    return _combine(results)
 
+
+def _policy_loss_fn(obj: Objective, alg: AlgorithmConfig, settings: PolicySettings, counts: dict[str, int], ctx):
     def loss_fn(logits, mb):
         lp, ent = token_logprobs(logits, mb["tokens"], tp_group=ctx.tp_group, vocab_size=settings.vocab_size,
                                  temperature=settings.temperature, with_entropy=True)
         loss, metrics = policy_loss(obj, alg, lp, mb, counts)
         mask = mb["action_mask"]
         if settings.entropy_coef:
-            loss = loss - settings.entropy_coef * (ent * mask).sum() / max(batch.num_tokens, 1)
+            loss = loss - settings.entropy_coef * (ent * mask).sum() / max(counts["num_tokens"], 1)
         local_tokens = mask.sum()
         metrics["actor/entropy"] = (ent.detach() * mask).sum() / local_tokens.clamp(min=1)
         metrics["actor/num_action_tokens"] = local_tokens
         return loss, {"loss": loss.detach(), **metrics}
 
-    return optimizer_step(actor.ddp, actor.optimizer, actor.scheduler, batch.microbatches, loss_fn, ctx=ctx)
+    return loss_fn
+
+
+def _global_counts(batch: LocalBatch, groups: list[list[int]], ctx) -> list[dict[str, int]]:
+    """Action tokens and sequences of each mini-batch over all DP ranks (the loss denominators)."""
+    if len(groups) == 1:
+        return [{"num_tokens": batch.num_tokens, "num_sequences": batch.num_sequences}]
+    local = torch.tensor([[float(sum(batch.microbatches[i]["action_mask"].sum() for i in idx)),
+                           float(sum(batch.microbatches[i]["tokens"].shape[0] for i in idx))] for idx in groups],
+                         dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(local, group=ctx.dp_group)  # on the device: NCCL reduces device tensors only
+    return [{"num_tokens": int(t), "num_sequences": int(n)} for t, n in local.tolist()]
+
+
+def _combine(results: list[UpdateResult]) -> UpdateResult:
+    """One result for the batch: applied if any step was, the mean loss, the last norm and LR, and
+    every step's outputs (metrics then cover all steps)."""
+    if len(results) == 1:
+        return results[0]
+    finite = [r.loss for r in results if r.applied]
+    return UpdateResult(applied=bool(finite), loss=sum(finite) / len(finite) if finite else float("nan"),
+                        grad_norm=results[-1].grad_norm, lr=results[-1].lr,
+                        outputs=[o for r in results for o in r.outputs],
+                        scaler_skip=any(r.scaler_skip for r in results))
 
 
 def critic_values(critic, batch: LocalBatch, *, ctx) -> list[torch.Tensor]:

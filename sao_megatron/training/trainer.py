@@ -23,7 +23,7 @@ from sao_megatron.scheduler.sample import Sample
 from sao_megatron.training import rl_step
 from sao_megatron.training.batch import LocalBatch, prepare_batch
 from sao_megatron.training.components import Components, build_components, drain, export_weights, initial_weights
-from sao_megatron.training.metrics_log import MetricsLogger
+from sao_megatron.training.metrics_log import MetricsLogger, reward_summary
 from sao_megatron.training.offload import park, resident
 from sao_megatron.training.optim import NonFiniteGuard
 from sao_megatron.training.run_state import RunState
@@ -49,7 +49,8 @@ class Trainer:
         self.step = self.version = 0
         self.guard = NonFiniteGuard(cfg.run.max_nan_steps)
         self.policy = rl_step.PolicySettings(vocab_size=cfg.model.vocab_size, temperature=cfg.rollout.temperature,
-                                             entropy_coef=cfg.actor.entropy_coef)
+                                             entropy_coef=cfg.actor.entropy_coef, ppo_epochs=cfg.actor.ppo_epochs,
+                                             num_minibatches=cfg.actor.num_minibatches)
         self.rollout = None
         self.logger = (MetricsLogger(self.run_dir, cfg.logging, run_name=self.run_dir.name,
                                      config_dict=to_dict(cfg)) if self.rank0 else None)
@@ -85,8 +86,8 @@ class Trainer:
                         return 0
             if self.state.ckpt.latest() != self.state.ckpt.final_dir(self.step):
                 self.save()
-            if self.rank0:
-                self._summary()
+            if self.rank0 and (line := reward_summary(self.run_dir)):
+                log.info("done: %s", line)
             return 0
         finally:
             self.close()
@@ -110,7 +111,7 @@ class Trainer:
     # ------------------------------------------------------------------ one update
     def _update(self, samples: list[Sample]) -> dict[str, Any]:
         cfg, c, ctx = self.cfg, self.c, self.c.ctx
-        batch = self._batch(samples, cfg.actor.max_tokens_per_microbatch)
+        batch = self._batch(samples, cfg.actor.max_tokens_per_microbatch, min_microbatches=cfg.actor.num_minibatches)
         batch.outcome_advantages = rl_step.outcome_advantages(batch, cfg.algorithm, c.baseline)
         values = rl_step.critic_values(c.critic, batch, ctx=ctx) if c.critic else None
         rl_step.attach_advantages(batch, cfg.algorithm, values)
@@ -128,10 +129,11 @@ class Trainer:
             metrics |= rl_step.summary(critic[-1], "critic")
         return metrics | {"_applied": actor.applied}
 
-    def _batch(self, samples: list[Sample], max_tokens: int) -> LocalBatch:
+    def _batch(self, samples: list[Sample], max_tokens: int, min_microbatches: int = 1) -> LocalBatch:
         ctx = self.c.ctx
         return prepare_batch(samples, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, pad_multiple=ctx.tp_size,
-                             max_tokens=max_tokens, vocab_size=self.cfg.model.vocab_size, device=ctx.device)
+                             max_tokens=max_tokens, vocab_size=self.cfg.model.vocab_size, device=ctx.device,
+                             min_microbatches=min_microbatches)
 
     def _critic_steps(self, batch: LocalBatch):
         with resident(self.c.critic, offload=self.offload):
@@ -203,16 +205,6 @@ class Trainer:
         if self.rank0:  # logged under the 0-based index of the step just trained
             metrics |= self.rollout.metrics()
             self.logger.log(self.step - 1, metrics)
-
-    def _summary(self) -> None:
-        """One line a person can check: did the reward go up over the run?"""
-        from sao_megatron.training.metrics_log import read_metrics
-
-        rewards = [r["reward/mean"] for r in read_metrics(self.run_dir) if isinstance(r.get("reward/mean"), float)]
-        if len(rewards) >= 10:
-            head, tail = rewards[: max(1, len(rewards) // 10)], rewards[-max(1, len(rewards) // 5):]
-            log.info("done: %d steps; reward/mean %.3f over the first 10%% of steps -> %.3f over the last 20%%",
-                     len(rewards), sum(head) / len(head), sum(tail) / len(tail))
 
     def _install_signal_handlers(self) -> None:
         def handler(signum, _frame):
