@@ -36,6 +36,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sao_megatron.errors import SaoError
+
 logger = logging.getLogger(__name__)
 
 _BOOT = pathlib.Path(__file__).with_name("_sandbox_boot.py")
@@ -51,7 +53,7 @@ _DESCRIPTION = {
 }
 
 
-class SandboxUnavailableError(RuntimeError):
+class SandboxUnavailableError(SaoError):
     """No isolating sandbox mode works on this machine and the unsafe fallback was not accepted."""
 
 
