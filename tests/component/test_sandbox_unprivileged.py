@@ -40,7 +40,8 @@ def control(code):
 sibling = subprocess.Popen(["sleep", "120"])  # a process of the same user that the sandbox must not reach
 report = {}
 for name, code in cfg["attacks"].items():
-    res = run_python(code, isolation=cfg["mode"], limits=SandboxLimits(**cfg["limits"]))
+    limits = SandboxLimits(**cfg["limits"].get(name, cfg["limits"]["default"]))
+    res = run_python(code, isolation=cfg["mode"], limits=limits)
     leaked = [p for p in cfg["watch"] if os.path.exists(p)]  # before the control writes them
     report[name] = {"sandbox": outcome(res.returncode, res.stdout, res.stderr, res.timed_out), "leaked": leaked,
                     "control": control(code) if name in cfg["controlled"] else None}
@@ -145,9 +146,21 @@ for d in ("/", "/usr/lib", "/dev", "/work/..", sys.prefix, os.path.dirname(WRITE
         print("write failed:", d, e, flush=True)
 """,
     "kill_every_process": "import os, signal\nos.kill(-1, signal.SIGKILL)\nprint('KILLED', flush=True)",
+    # A daemon in its own session leaves the process group that the wall-time kill reaches.
+    "daemon_outlives_the_run": """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.close(1), os.close(2)
+        time.sleep(120)
+    os._exit(0)
+print("DAEMONIZED", flush=True)
+""",
 }
-# kill(-1) outside would take the driver down with it: it has no control run.
-CONTROLLED = [name for name in ATTACKS if name not in ("kill_every_process", "write_outside_workdir")]
+# kill(-1) outside would take the driver down with it, the daemon would outlive it: no control run.
+CONTROLLED = [name for name in ATTACKS if name not in ("kill_every_process", "write_outside_workdir",
+                                                       "daemon_outlives_the_run")]
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +211,7 @@ def run_attacks(mode: str, attacks: dict[str, str], controlled: list[str], limit
         proc = run_unprivileged(driver, timeout_s=timeout_s)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("REPORT ")), None)
     assert line is not None, f"the driver did not report (rc {proc.returncode}): {proc.stderr[-3000:]}"
-    if mode == "userns":
+    if mode != "namespace":  # the driver is done: daemons, bombs and sleepers must be gone as well
         assert processes_of(TEST_UID) == [], "a process of the test user outlived the sandbox"
     return json.loads(line[len("REPORT "):]), home, token
 
@@ -207,7 +220,7 @@ def run_attacks(mode: str, attacks: dict[str, str], controlled: list[str], limit
 def escapes(request, listener):
     port, hits = listener
     before = len(hits)
-    limits = {"wall_s": 20.0, "cpu_s": 5, "memory_mb": 512}
+    limits = {"default": {"wall_s": 20.0, "cpu_s": 5, "memory_mb": 512}}
     report, home, token = run_attacks(request.param, ATTACKS, CONTROLLED, limits, port=port)
     yield request.param, report, home, token, len(hits) - before
     subprocess.run(["rm", "-rf", str(home)], check=False)
@@ -243,3 +256,55 @@ def test_no_connection_from_the_sandbox_arrived(escapes):
     mode, report, *_, hits = escapes
     controls_that_connected = sum("CONNECTED" in report[name]["control"]["out"] for name in CONTROLLED)
     assert controls_that_connected >= 5 and hits == controls_that_connected, (hits, controls_that_connected)
+
+
+def test_audit_mode_is_escapable_so_it_runs_only_when_accepted(listener):
+    """Why ``audit`` needs ``data.options.sandbox: unsafe``: native process creation walks past the hook."""
+    attack = {"posixsubprocess_fork_exec": ATTACKS["posixsubprocess_fork_exec"]}
+    report, home, token = run_attacks("audit", attack, [], {"default": {"wall_s": 20.0}}, port=listener[0])
+    subprocess.run(["rm", "-rf", str(home)], check=False)
+    out = report["posixsubprocess_fork_exec"]["sandbox"]["out"]
+    assert f"READ:{token}" in out and "CONNECTED" in out and "uid=" in out, out
+
+
+FLOODS = {
+    "fork_count": """
+import os, time
+forked = 0
+for _ in range(30):
+    try:
+        if os.fork() == 0:
+            os.close(1), os.close(2)
+            time.sleep(3)
+            os._exit(0)
+        forked += 1
+    except OSError:
+        break
+print("FORKED", forked, flush=True)
+""",
+    "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+    "memory_flood": "x = bytearray(400 << 20)\nprint('ALLOCATED', len(x), flush=True)",
+    "output_flood": "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)",
+}
+FLOOD_LIMITS = {"default": {"wall_s": 20.0, "cpu_s": 5, "memory_mb": 200},
+                "fork_count": {"wall_s": 20.0, "max_processes": 8},
+                "fork_bomb": {"wall_s": 3.0, "cpu_s": 2, "max_processes": 16},
+                "output_flood": {"wall_s": 3.0, "max_output_bytes": 10000}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_fork_bomb_memory_and_output_floods_are_contained(mode, listener):
+    report, home, _ = run_attacks(mode, FLOODS, ["fork_count", "memory_flood"], FLOOD_LIMITS, port=listener[0])
+    subprocess.run(["rm", "-rf", str(home)], check=False)
+    assert "FORKED 30" in report["fork_count"]["control"]["out"]  # the user may fork 30 outside
+    forked = int(report["fork_count"]["sandbox"]["out"].split()[-1])
+    assert 0 < forked < 8, report["fork_count"]  # RLIMIT_NPROC 8, init and the program included
+    bomb = report["fork_bomb"]["sandbox"]
+    assert bomb["timed_out"], bomb  # stopped by the wall limit, every process of it killed (run_attacks)
+    assert "ALLOCATED" in report["memory_flood"]["control"]["out"]
+    memory = report["memory_flood"]["sandbox"]
+    assert memory["rc"] != 0 and "MemoryError" in memory["err"], memory
+    flood = report["output_flood"]["sandbox"]
+    assert flood["timed_out"] and flood["out_len"] == 10000, flood
+    assert report["sibling_alive"]
