@@ -44,6 +44,7 @@ for name, code in cfg["attacks"].items():
     res = run_python(code, isolation=cfg["mode"], limits=limits)
     leaked = [p for p in cfg["watch"] if os.path.exists(p)]  # before the control writes them
     report[name] = {"sandbox": outcome(res.returncode, res.stdout, res.stderr, res.timed_out), "leaked": leaked,
+                    "started": res.stdout.startswith("STARTED\n"),
                     "control": control(code) if name in cfg["controlled"] else None}
     for p in cfg["watch"]:
         if os.path.exists(p):
@@ -187,7 +188,9 @@ def listener():
 
 def _prelude(secret: pathlib.Path, write: pathlib.Path, port: int, code: str) -> str:
     consts = f"SECRET = {str(secret)!r}\nWRITE = {str(write)!r}\nPORT = {port}\n"
-    return consts + f"PAYLOAD = {consts + PAYLOAD!r}\n" + code.replace("{payload}", PAYLOAD)
+    # STARTED proves that the sandbox ran the attack (a sandbox that cannot start contains everything).
+    return (f"print('STARTED', flush=True)\n{consts}PAYLOAD = {consts + PAYLOAD!r}\n"
+            + code.replace("{payload}", PAYLOAD))
 
 
 def run_attacks(mode: str, attacks: dict[str, str], controlled: list[str], limits: dict, *,
@@ -244,6 +247,7 @@ def test_controls_reach_everything_outside_the_sandbox(escapes):
 def test_attack_is_contained(escapes, name):
     mode, report, home, token, _ = escapes
     res = report[name]["sandbox"]
+    assert report[name]["started"], (mode, name, res)
     assert token not in res["out"] + res["err"], (mode, name, res)
     assert "WROTE" not in res["out"] and "CONNECTED" not in res["out"] and "UNSHARED" not in res["out"], res
     assert "uid=" not in res["out"], res
@@ -264,6 +268,7 @@ def test_audit_mode_is_escapable_so_it_runs_only_when_accepted(listener):
     report, home, token = run_attacks("audit", attack, [], {"default": {"wall_s": 20.0}}, port=listener[0])
     subprocess.run(["rm", "-rf", str(home)], check=False)
     out = report["posixsubprocess_fork_exec"]["sandbox"]["out"]
+    assert report["posixsubprocess_fork_exec"]["started"]
     assert f"READ:{token}" in out and "CONNECTED" in out and "uid=" in out, out
 
 
@@ -297,6 +302,7 @@ FLOOD_LIMITS = {"default": {"wall_s": 20.0, "cpu_s": 5, "memory_mb": 200},
 def test_fork_bomb_memory_and_output_floods_are_contained(mode, listener):
     report, home, _ = run_attacks(mode, FLOODS, ["fork_count", "memory_flood"], FLOOD_LIMITS, port=listener[0])
     subprocess.run(["rm", "-rf", str(home)], check=False)
+    assert all(report[name]["started"] for name in FLOODS), report
     assert "FORKED 30" in report["fork_count"]["control"]["out"]  # the user may fork 30 outside
     forked = int(report["fork_count"]["sandbox"]["out"].split()[-1])
     assert 0 < forked < 8, report["fork_count"]  # RLIMIT_NPROC 8, init and the program included
