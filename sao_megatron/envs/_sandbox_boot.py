@@ -29,6 +29,7 @@ import os
 import resource
 import signal
 import sys
+import traceback
 
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -154,15 +155,22 @@ def _init(libc, spec, report_fd):
     _prctl(libc, _PR_SET_DUMPABLE, 0)  # the task (same uid in userns mode) may not ptrace PID 1
     pid = os.fork()
     if pid == 0:
-        try:
-            _task(libc, spec)
-        finally:
-            os._exit(127)
+        _child(_task, libc, spec)
     while True:
         done, status = os.wait()
         if done == pid:
             os.write(report_fd, str(status).encode())
             os._exit(0)  # returning kills the rest of the namespace
+
+
+def _child(fn, *args):
+    """Run ``fn`` in a forked child: it exec's or exits, never returns into the parent's code."""
+    try:
+        fn(*args)
+    except BaseException:  # noqa: BLE001 - reported on stderr, the run fails with 127
+        traceback.print_exc()
+    finally:
+        os._exit(127)
 
 
 def _isolated(spec):
@@ -176,11 +184,8 @@ def _isolated(spec):
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:
-        try:
-            os.close(read_fd)
-            _init(libc, spec, write_fd)
-        finally:
-            os._exit(127)
+        os.close(read_fd)
+        _child(_init, libc, spec, write_fd)
     os.close(write_fd)
     report = os.read(read_fd, 64)
     os.waitpid(pid, 0)
