@@ -118,8 +118,8 @@ def resolve_isolation(policy: str = "isolated") -> str:
     if policy == "unsafe":
         return "audit"
     raise SandboxUnavailableError(
-        "no isolating sandbox works on this machine: not root, and unprivileged user namespaces are "
-        "disabled (check `unshare --user --map-root-user --net true`; enable with sysctl "
+        "no isolating sandbox works on this machine: neither root namespaces nor unprivileged user "
+        "namespaces (check `unshare --user --map-root-user --net true`; enable with sysctl "
         "user.max_user_namespaces>0, kernel.unprivileged_userns_clone=1 on Debian or "
         "kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu). Refusing to run model-written code "
         "unisolated; set data.options.sandbox=unsafe to accept the audit-hook fallback, which native "
