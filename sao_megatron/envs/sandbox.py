@@ -94,11 +94,6 @@ def namespace_available() -> bool:
     return hasattr(os, "unshare") and os.geteuid() == 0 and _mode_works("namespace")
 
 
-def userns_available() -> bool:
-    """True when unprivileged user-namespace isolation works here."""
-    return hasattr(os, "unshare") and _mode_works("userns")
-
-
 def describe_isolation(mode: str) -> str:
     """One line saying what ``mode`` protects against (for the start-up log)."""
     return _DESCRIPTION[mode]
@@ -130,7 +125,7 @@ def resolve_isolation(policy: str = "isolated") -> str:
 def _mode_works(mode: str) -> bool:
     """Probe ``mode`` once per process by running a trivial program in it."""
     try:
-        res = run_python("print('sandbox-ok')", isolation=mode, limits=SandboxLimits(wall_s=20.0))
+        res = run_python("print('sandbox-ok')", isolation=mode, limits=SandboxLimits(wall_s=60.0))
     except OSError:
         return False
     if not (res.ok and res.stdout.strip() == "sandbox-ok"):
@@ -149,6 +144,8 @@ def run_python(code: str, *, files: dict[str, str | bytes] | None = None, stdin:
     """
     limits = limits or SandboxLimits()
     mode = resolve_isolation("isolated") if isolation == "auto" else isolation
+    if mode not in (*ISOLATING_MODES, "audit"):
+        raise ValueError(f"sandbox isolation {isolation!r} must be 'auto', 'namespace', 'userns' or 'audit'")
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sao-sandbox-"))
     try:
         work = _prepare_workdir(tmp, code, files or {}, chown=mode == "namespace")
