@@ -216,7 +216,9 @@ def run_attacks(mode: str, attacks: dict[str, str], controlled: list[str], limit
     else:
         proc = run_unprivileged(driver, timeout_s=timeout_s)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("REPORT ")), None)
-    assert line is not None, f"the driver did not report (rc {proc.returncode}): {proc.stderr[-3000:]}"
+    if line is None:
+        subprocess.run(["rm", "-rf", str(home)], check=False)
+        pytest.fail(f"the driver did not report (rc {proc.returncode}): {proc.stderr[-3000:]}")
     if mode != "namespace":  # the driver is done: daemons, bombs and sleepers must be gone as well
         assert processes_of(TEST_UID) == [], "a process of the test user outlived the sandbox"
     return json.loads(line[len("REPORT "):]), home, token
