@@ -30,8 +30,7 @@ from typing import Any
 
 from sao_megatron.envs.base import Prompt, RewardFn
 from sao_megatron.envs.dataset import DatasetError
-from sao_megatron.envs.sandbox import (SANDBOX_POLICIES, SandboxLimits, describe_isolation, resolve_isolation,
-                                       run_python)
+from sao_megatron.envs.sandbox import SandboxLimits, run_python, sandbox_mode
 from sao_megatron.envs.text_task import TextTask
 
 logger = logging.getLogger(__name__)
@@ -128,25 +127,13 @@ class CodeTask(TextTask):
                              "program before the reward pool gives up on the worker")
         if o["cpu_s"] < 1 or o["memory_mb"] < 64 or o["max_output_bytes"] < 1024:
             raise ValueError("data.options: need cpu_s >= 1, memory_mb >= 64 and max_output_bytes >= 1024")
-        self.isolation = self._sandbox_mode(o["sandbox"])
+        self.isolation = sandbox_mode(o["sandbox"], what="code")
         for p in self._prompts:  # fail at start-up, not as a zero reward in every episode
             try:
                 split_tests(p.meta["tests"])
             except (SyntaxError, ValueError) as exc:
                 raise DatasetError(f"data.path={data.path!r}: prompt {p.index} (0-based, blank lines skipped): "
                                    f"'tests' is not usable ({exc})") from None
-
-    @staticmethod
-    def _sandbox_mode(policy: str) -> str:
-        """The sandbox mode for ``data.options.sandbox`` (probed here, once), logged in one line."""
-        if policy not in SANDBOX_POLICIES:
-            raise ValueError(f"data.options.sandbox={policy!r} must be 'isolated' (model-written code runs only "
-                             "in an isolating sandbox; the default) or 'unsafe' (also accept the audit-hook "
-                             "fallback, which native code escapes, where no isolation works)")
-        mode = resolve_isolation(policy)
-        log = logger.warning if mode == "audit" else logger.info
-        log("code sandbox (data.options.sandbox=%s): %s", policy, describe_isolation(mode))
-        return mode
 
     def reward_call(self, prompt: Prompt, trajectory_ids: list[int], action_mask: list[int],
                     target: str) -> tuple[RewardFn, tuple]:

@@ -121,6 +121,19 @@ def resolve_isolation(policy: str = "isolated") -> str:
         "code escapes")
 
 
+def sandbox_mode(policy: str, *, what: str) -> str:
+    """``data.options.sandbox`` -> the mode model-written code runs in, probed once and logged in one
+    line (a warning for the unisolated audit mode). ``what`` names the task in the log line."""
+    if policy not in SANDBOX_POLICIES:
+        raise ValueError(f"data.options.sandbox={policy!r} must be 'isolated' (model-written code runs only "
+                         "in an isolating sandbox; the default) or 'unsafe' (also accept the audit-hook "
+                         "fallback, which native code escapes, where no isolation works)")
+    mode = resolve_isolation(policy)
+    (logger.warning if mode == "audit" else logger.info)(
+        "%s sandbox (data.options.sandbox=%s): %s", what, policy, describe_isolation(mode))
+    return mode
+
+
 @functools.cache
 def _mode_works(mode: str) -> bool:
     """Probe ``mode`` once per process by running a trivial program in it."""

@@ -93,7 +93,7 @@ def test_invalid_sandbox_option_is_a_clear_error():
 
 
 def test_start_up_logs_the_mode_once(caplog):
-    with caplog.at_level(logging.INFO, logger="sao_megatron.envs.code_task"):
+    with caplog.at_level(logging.INFO, logger="sao_megatron.envs.sandbox"):
         task = CodeTask(DataConfig(task="code", path=str(CODE_SAMPLE), max_prompt_tokens=256,
                                    reward_timeout_s=30.0), CharTokenizer())
     lines = [r.getMessage() for r in caplog.records if "code sandbox" in r.getMessage()]
