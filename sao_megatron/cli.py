@@ -45,7 +45,8 @@ def build_parser(verbs: list[str] | None = None) -> argparse.ArgumentParser:
 # training.components ("models: ... specs ..., ... optimizer ...").
 _KNOWN_WARNINGS = (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
                    r"full scope is deprecated", r"No CUDA runtime is found", r"MimoModelConfig is experimental",
-                   r"The \.grad attribute of a Tensor that is not a leaf", r".*(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
+                   r"The \.grad attribute of a Tensor that is not a leaf",
+                   r".*(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
 _KNOWN_LOG_LINES = ("IS DEPRECATED", "full_param_layout not provided", "No CUDA runtime is found",
                     "MCore's async save is deprecated")
 

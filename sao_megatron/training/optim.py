@@ -118,8 +118,8 @@ def uses_loss_scaler(optimizer) -> bool:
     return any(getattr(o, "grad_scaler", None) is not None for o in parts)
 
 
-def optimizer_step(ddp_chunks: Sequence[DistributedDataParallel], optimizer, scheduler, microbatches: Sequence[MicroBatch],
-                   loss_fn: LossFn, *, ctx: ParallelContext) -> UpdateResult:
+def optimizer_step(ddp_chunks: Sequence[DistributedDataParallel], optimizer, scheduler,
+                   microbatches: Sequence[MicroBatch], loss_fn: LossFn, *, ctx: ParallelContext) -> UpdateResult:
     """The one training step: zero grads, forward/backward every micro-batch, clip, step the optimizer
     and (when applied) the LR schedule. Skipped on every rank if any rank saw a non-finite loss.
 

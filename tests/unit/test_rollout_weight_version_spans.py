@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from sao_megatron.rollout import contract
 from sao_megatron.rollout.protocol import parse_generate_reply, versions_from_spans
-from sao_megatron.rollout.types import EngineReplyError
 
 pytestmark = pytest.mark.unit
 
