@@ -71,6 +71,10 @@ class Trainer:
         self.logger = (MetricsLogger(self.run_dir, cfg.logging, run_name=self.run_dir.name,
                                      config_dict=to_dict(cfg)) if self.rank0 else None)
         self._stop_signal: int | None = None
+        from sao_megatron.training.evaluation import PeriodicEval  # held-out eval/* metrics (issue 16)
+
+        self.evaluator = rank0_call(lambda: PeriodicEval.from_config(cfg.eval, self.task, cfg.data, cfg.rollout,
+                                                                     num_steps=steps))
         self.offload = cfg.resources.offload_idle_optimizer  # only the stepping model's optimizer on the GPU
         if self.offload:  # Megatron logs every move at INFO (four lines a step); its setup lines are done by now
             logging.getLogger("megatron.core.optimizer.optimizer").setLevel(logging.WARNING)
@@ -320,6 +324,7 @@ class Trainer:
     def _log(self, metrics: dict[str, Any]) -> None:
         if self.rank0:  # logged under the 0-based index of the step just trained
             metrics |= self.rollout.metrics()
+            metrics |= self.evaluator.maybe_run(self.step, self.rollout, self.version)
             self.logger.log(self.step - 1, metrics)
 
     def _audit(self, samples: list[Sample], *, phase: str) -> None:
