@@ -62,12 +62,12 @@ def _run(args: argparse.Namespace) -> int:
                          "above); run the others with --variants")
     if args.dry_run:
         return 0
-    if not args.summarize:
-        failed = execute(plan, spec.jobs, on_event=lambda m: sys.stdout.write(m + "\n"))
-        if failed:
-            sys.stdout.write(f"{len(failed)} run(s) failed; run the same command again to retry them\n")
+    failed = [] if args.summarize else execute(plan, spec.jobs, on_event=lambda m: sys.stdout.write(m + "\n"))
     out.mkdir(parents=True, exist_ok=True)
     md, csv_path = write_tables(collect(plan), out, threshold=spec.threshold)
     plots = write_plots(plan, out / "plots")
     sys.stdout.write(md.read_text() + f"\n{md}\n{csv_path}\n" + "".join(f"{p}\n" for p in plots))
-    return 0
+    if failed:
+        sys.stdout.write(f"{len(failed)} run(s) failed (their train.log says why); run the same command again "
+                         "to retry them\n")
+    return 1 if failed else 0

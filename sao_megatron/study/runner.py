@@ -27,6 +27,15 @@ def is_done(run: PlannedRun) -> bool:
     return (run.run_dir / DONE_FILE).is_file()
 
 
+def trained_steps(run: PlannedRun) -> int:
+    """Steps in the run's metrics.jsonl (a trainer stopped by a signal exits 0 before its last step)."""
+    path = run.run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    return int(json.loads(lines[-1])["step"]) + 1 if lines else 0
+
+
 def measured_seconds_per_sample(plan: Plan) -> float | None:
     """Mean wall seconds per trained sample over the plan's finished runs (None: none finished)."""
     rates = []
@@ -70,6 +79,21 @@ def execute(plan: Plan, jobs: int, *, on_event: Callable[[str], None] = log.info
     running: list[tuple[PlannedRun, subprocess.Popen, float, object]] = []
     failed: list[PlannedRun] = []
     env = _child_env(jobs)
+    try:
+        _loop(plan, pending, running, failed, jobs, env, on_event, poll_s)
+    finally:  # interrupted (Ctrl-C): stop the children; they resume from their checkpoints next time
+        for run, proc, _, logf in running:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            logf.close()
+    return failed
+
+
+def _loop(plan: Plan, pending: list[PlannedRun], running: list, failed: list[PlannedRun], jobs: int,
+          env: dict[str, str], on_event: Callable[[str], None], poll_s: float) -> None:
     while pending or running:
         while pending and len(running) < jobs:
             run = pending.pop(0)
@@ -86,11 +110,10 @@ def execute(plan: Plan, jobs: int, *, on_event: Callable[[str], None] = log.info
             running.remove(item)
             logf.close()
             wall = time.monotonic() - t0
-            if proc.returncode == 0:
+            if proc.returncode == 0 and trained_steps(run) >= run.num_steps:
                 (run.run_dir / DONE_FILE).write_text(json.dumps({"wall_s": wall, "num_steps": run.num_steps}))
                 on_event(f"done  {run.variant} seed {run.seed_index} in {wall:.0f} s")
             else:
                 failed.append(run)
                 on_event(f"FAILED {run.variant} seed {run.seed_index} (exit {proc.returncode}); see "
                          f"{run.run_dir / 'train.log'}")
-    return failed
