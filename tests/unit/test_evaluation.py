@@ -102,3 +102,17 @@ def test_eval_section_loads_strictly():
     assert (cfg.eval.interval, cfg.eval.num_prompts, cfg.eval.temperature) == (10, 7, 0.0)
     with pytest.raises(Exception, match="eval.nonsense"):
         load_config("configs/experiments/tool_chain_cpu.yaml", ["eval.nonsense=1"])
+
+
+def test_report_draws_heldout_eval_only_when_present(tmp_path):
+    import json
+
+    from sao_megatron.training.report import write_report
+
+    recs = [{"step": i, "reward/mean": 0.1 * i} for i in range(6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert "heldout_eval.png" not in {p.name for p in write_report(tmp_path, tmp_path / "r1")}
+    recs[5] |= {"eval/pass_at_1": 0.5, "eval/ci_low": 0.3, "eval/ci_high": 0.7, "eval/mean_reward": 0.6}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    written = {p.name: p for p in write_report(tmp_path, tmp_path / "r2")}
+    assert written["heldout_eval.png"].stat().st_size > 1000
