@@ -17,6 +17,9 @@ is evaluated. A well-formed call earns ``tool_call_reward`` on that turn's last 
 malformed one returns ``<obs>error</obs>``. Prompts, held-out split, phases (``answer``,
 ``reverse``, ``offset:N``) and the outcome reward are those of ``arithmetic``, evaluated left to
 right (no operator precedence: the tool chain computes left to right, and so does the answer).
+``demo_answers: random`` (as in ``arithmetic``) makes the warm-up's final answers well-formed but
+wrong on purpose (the tool calls stay correct): the warm-up then teaches the tool protocol only, and
+answering with the last observation is left for RL to learn.
 """
 
 from __future__ import annotations
@@ -100,14 +103,24 @@ class ToolChainTask(CalculatorTask):
         lhs = [nums[0], *partial[:-1]]
         return [(f"{a}{op}{n}", str(r)) for a, op, n, r in zip(lhs, ops, nums[1:], partial)]
 
+    def _demo_answer(self, prompt: Prompt) -> str:
+        answer = str(prompt.meta["answer"])
+        if self.opts["demo_answers"] != "random":
+            return answer
+        o, rng = self.opts, random.Random(f"{prompt.index}:{answer}")
+        span = o["max_operand"] * o["num_operands"]
+        while (wrong := str(rng.randint(-span, span))) == answer:
+            pass
+        return wrong
+
     def demonstration(self, prompt: Prompt) -> list[int]:
         tok, out = self.tokenizer, []
         for expr, res in self._steps(prompt):
             out += [tok.call_id] + tok.encode(expr) + [tok.call_end_id, tok.obs_id] + tok.encode(res) + [tok.obs_end_id]
-        return out + tok.encode(str(prompt.meta["answer"])) + [tok.eos_id]
+        return out + tok.encode(self._demo_answer(prompt)) + [tok.eos_id]
 
     def demonstration_mask(self, prompt: Prompt) -> list[int]:
         mask: list[int] = []
         for expr, res in self._steps(prompt):
             mask += [1] * (len(expr) + 2) + [0] * (len(res) + 2)
-        return mask + [1] * (len(str(prompt.meta["answer"])) + 1)
+        return mask + [1] * (len(self._demo_answer(prompt)) + 1)

@@ -83,3 +83,15 @@ def test_wrong_answer_and_error_observation():
     wrong = str(int(p.meta["answer"]) + 1)
     fn, args = t.reward_call(p, tok.encode(wrong) + [tok.eos_id], [1] * (len(wrong) + 1), "")
     assert fn(*args)[0] < 1.0
+
+
+def test_random_demo_answers_keep_the_tool_calls_and_miss_the_answer():
+    t, ref = _task(demo_answers="random"), _task()
+    tok = t.tokenizer
+    for p in t.prompts()[:200]:
+        demo, good = t.demonstration(p), ref.demonstration(p)
+        last_obs = len(good) - 1 - good[::-1].index(tok.obs_end_id)
+        assert demo[:last_obs + 1] == good[:last_obs + 1]  # calls and observations unchanged
+        answer = tok.decode(demo[last_obs + 1:-1])
+        assert demo[-1] == tok.eos_id and answer != p.meta["answer"] and int(answer) == int(answer.strip())
+        assert len(t.demonstration_mask(p)) == len(demo)
