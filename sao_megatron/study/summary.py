@@ -79,10 +79,13 @@ class VariantRow:
 
 
 def collect(plan: Plan) -> list[VariantRow]:
+    """One row per variant over its finished runs (an unfinished run's 'final' numbers are not final)."""
+    from sao_megatron.study.runner import is_done
+
     rows: dict[str, VariantRow] = {}
     for run in plan.runs:
         row = rows.setdefault(run.variant, VariantRow(run.variant, shape_of(run), plan.spec.variants[run.variant].describe))
-        records = _read(run.run_dir)
+        records = _read(run.run_dir) if is_done(run) else []
         if records:
             row.runs.append(run_stats(records, threshold=plan.spec.threshold, online=run.online))
     return list(rows.values())

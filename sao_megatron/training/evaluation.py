@@ -8,7 +8,8 @@ calls between steps (rank 0, engines idle of weight updates); ``sao-megatron eva
 evaluates a checkpoint on its own engine.
 
 Metrics (``eval/...``): ``pass_at_1`` with its Wilson interval ``ci_low``/``ci_high``,
-``mean_reward`` with its Student-t interval ``reward_ci_low``/``reward_ci_high``, ``num_prompts``.
+``mean_reward`` with its Student-t interval ``reward_ci_low``/``reward_ci_high``, ``num_prompts``; and
+``timing/eval_s`` (the trainer waits for it; training rollouts go on meanwhile).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 from sao_megatron.config.schema import DataConfig, EvalConfig, RolloutConfig
@@ -131,7 +133,8 @@ class PeriodicEval:
         coro = evaluate_prompts(rollout.client, self.task, self.prompts, self.sampling,
                                 max_turns=self.data.max_turns, max_total_tokens=self.data.max_total_tokens,
                                 reward_pool=rollout.scheduler.reward_pool, target=self.schedule.target_at(version))
-        metrics = rollout.bridge.run(coro).metrics()
+        t0 = time.perf_counter()
+        metrics = rollout.bridge.run(coro).metrics() | {"timing/eval_s": time.perf_counter() - t0}
         log.info("eval at step %d (version %d): pass@1 %.3f [%.3f, %.3f] over %d held-out problems, mean reward "
                  "%.3f", step, version, metrics["eval/pass_at_1"], metrics["eval/ci_low"], metrics["eval/ci_high"],
                  len(self.prompts), metrics["eval/mean_reward"])
