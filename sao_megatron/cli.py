@@ -25,6 +25,8 @@ _VERBS: dict[str, str] = {
     "serve-local": "sao_megatron.rollout.engine.cli",
     "convert": "checkpoints_tools.cli",
     "launch": "sao_megatron.launch.cli",
+    "eval": "sao_megatron.training.eval_cli",
+    "study": "sao_megatron.study.cli",
 }
 
 

@@ -352,6 +352,18 @@ class RunConfig:
 
 
 @cfg
+class EvalConfig:
+    """Periodic evaluation on the task's held-out problems (never trained on)."""
+
+    interval: int = 0
+    """Evaluate every N trainer steps and after the last one (0: never during training)."""
+    num_prompts: int = 128
+    """Held-out problems per evaluation, one sample each (pass@1)."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluation (0: greedy)."""
+
+
+@cfg
 class ResourcesConfig:
     """The cluster a run is laid out for: trainer GPUs and SGLang rollout servers (`sao-megatron plan`)."""
 
@@ -405,3 +417,5 @@ class ExperimentConfig:
     """Run-level settings."""
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     """Cluster shape (nodes, GPUs, rollout servers) the layout is planned for."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation during training."""

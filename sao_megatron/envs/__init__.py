@@ -5,6 +5,7 @@
 - ``arithmetic``: single-turn verifiable arithmetic (exact match + optional shaping).
 - ``calculator``: multi-turn tool use with a sandboxed Python-expression calculator.
 - ``math``: JSONL problems with a gold answer, reward 1/0 by math-verify (``envs.math_task``).
+- ``tool_chain``: multi-step arithmetic through a one-operation calculator (the CPU study task).
 - ``code``: JSONL programming problems with assert tests run in the sandbox (``envs.code_task``).
 
 The tiny tasks use ``CharTokenizer``; ``math`` and ``code`` use the checkpoint's own Hugging Face
@@ -24,10 +25,11 @@ from sao_megatron.envs.rewards import RewardOutcome, RewardPool, RewardSchedule
 from sao_megatron.envs.sandbox import SandboxLimits, SandboxResult, run_python
 from sao_megatron.envs.tokenizer import CharTokenizer
 from sao_megatron.envs.text_task import TextTask
+from sao_megatron.envs.tool_chain import ToolChainTask
 from sao_megatron.envs.tools import CalculatorEnv, CalculatorTask, calculator
 
 TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "calculator": CalculatorTask, "math": MathTask,
-                                "code": CodeTask}
+                                "code": CodeTask, "tool_chain": ToolChainTask}
 
 
 def build_task(data: DataConfig, tokenizer: CharTokenizer | HFTokenizer | None = None, *,
@@ -78,7 +80,7 @@ def _answer_only(task: str):
 __all__ = [
     "ArithmeticTask", "CalculatorEnv", "CalculatorTask", "CharTokenizer", "CodeTask", "DatasetError", "Env",
     "HFTokenizer", "MathTask", "Prompt", "RewardOutcome", "RewardPool", "RewardSchedule", "SandboxLimits",
-    "SandboxResult", "SingleTurnEnv", "StepResult", "TASKS", "Task", "TextTask", "arithmetic_reward",
+    "SandboxResult", "SingleTurnEnv", "StepResult", "TASKS", "Task", "TextTask", "ToolChainTask", "arithmetic_reward",
     "build_reward_schedule", "build_task", "calculator", "check_vocab", "code_reward", "extract_code",
     "last_boxed", "load_jsonl", "math_reward", "run_python",
 ]

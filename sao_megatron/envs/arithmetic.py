@@ -9,6 +9,10 @@ fraction of answer positions that match. Exact match always scores 1.0.
 Non-stationary targets (``DataConfig.phases[].target``) change what counts as correct for the same
 prompt: ``answer`` (default), ``reverse`` (the answer's digits written backwards) and ``offset:N``
 (the answer plus N).
+
+Held-out evaluation problems (``heldout_prompts``, see ``envs.split``): ``heldout_fraction`` (default
+0) > 0 holds a fixed hash bucket of problems out of training; 0 draws evaluation problems with their
+own seed and skips every training prompt (the training set is unchanged).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import re
 from dataclasses import dataclass
 
 from sao_megatron.envs.base import Prompt, RewardFn, Task
+from sao_megatron.envs.split import (check_fraction, draw_heldout, in_heldout_bucket, problem_key, require_heldout,
+                                     split_by_bucket)
 from sao_megatron.envs.tokenizer import CharTokenizer
 
 _TARGET = re.compile(r"^(answer|reverse|offset:-?\d+)?$")
@@ -79,7 +85,8 @@ class ArithmeticTask(Task):
 
     name = "arithmetic"
     defaults = {"min_operand": 0, "max_operand": 9, "num_operands": 2, "ops": "+",
-                "partial_credit": True, "format_reward": 0.1, "digit_reward": 0.4, "demo_answers": "correct"}
+                "partial_credit": True, "format_reward": 0.1, "digit_reward": 0.4, "demo_answers": "correct",
+                "heldout_fraction": 0.0}
 
     def __init__(self, *, num_prompts: int = 1024, seed: int = 0, options: dict | None = None,
                  prompts: list[Prompt] | None = None, tokenizer: CharTokenizer | None = None) -> None:
@@ -92,16 +99,36 @@ class ArithmeticTask(Task):
             raise ValueError(f"data.options.demo_answers={o['demo_answers']!r} must be 'correct' or 'random'")
         if not o["ops"] or set(o["ops"]) - set("+-*"):
             raise ValueError(f"data.options.ops={o['ops']!r} must be a non-empty string of '+', '-', '*'")
+        check_fraction(o["heldout_fraction"])
+        self.seed = seed
+        if prompts is not None:
+            prompts = split_by_bucket(prompts, o["heldout_fraction"])[0] if o["heldout_fraction"] else prompts
         self._prompts = prompts if prompts is not None else self._generate(num_prompts, seed)
 
     def _generate(self, num_prompts: int, seed: int) -> list[Prompt]:
-        rng = random.Random(seed)
+        rng, fraction = random.Random(seed), self.opts["heldout_fraction"]
         out = []
-        for i in range(num_prompts):
-            p = self._problem(rng)
-            out.append(Prompt(index=i, input_ids=[self.tokenizer.bos_id] + self.tokenizer.encode(p.text),
-                              meta={"prompt": p.text, "answer": p.answer}))
-        return out
+        for _ in range(num_prompts * 1000 + 1000):  # the bucket holds a fraction < 1: this ends long before
+            if len(out) == num_prompts:
+                return out
+            p = self._to_prompt(len(out), self._problem(rng))
+            if not fraction or not in_heldout_bucket(problem_key(p), fraction):
+                out.append(p)
+        raise ValueError(f"data.options.heldout_fraction={fraction} leaves (almost) no training problem in this "
+                         "problem space; lower it or widen the operand range")
+
+    def _to_prompt(self, index: int, p: _Problem) -> Prompt:
+        return Prompt(index=index, input_ids=[self.tokenizer.bos_id] + self.tokenizer.encode(p.text),
+                      meta={"prompt": p.text, "answer": p.answer})
+
+    def heldout_prompts(self, num: int) -> list[Prompt]:
+        """Up to ``num`` distinct evaluation problems, none of them a training prompt (deterministic)."""
+        rng = random.Random(f"heldout:{self.seed}")
+        train_keys = {problem_key(p) for p in self._prompts}
+        found = draw_heldout(lambda i: self._to_prompt(i, self._problem(rng)), num, train_keys=train_keys,
+                             fraction=self.opts["heldout_fraction"])
+        return require_heldout(found, num, self.name, "the training set covers the whole problem space: set "
+                               "data.options.heldout_fraction (e.g. 0.2) or widen the operand range")
 
     def _problem(self, rng: random.Random) -> _Problem:
         o = self.opts

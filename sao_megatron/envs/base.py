@@ -92,6 +92,12 @@ class Task(abc.ABC):
     def prompts(self) -> list[Prompt]:
         """The dataset (indices 0..N-1, in order)."""
 
+    def heldout_prompts(self, num: int) -> list[Prompt]:
+        """Up to ``num`` evaluation prompts disjoint from ``prompts()`` (deterministic; ``envs.split``).
+
+        ValueError (with the fix) when the task has none."""
+        raise ValueError(f"task {self.name!r} has no held-out evaluation split")
+
     def make_env(self) -> Env:
         return SingleTurnEnv()
 

@@ -10,6 +10,10 @@ checkpoint's chat template with the assistant's generation prompt; ``data.option
   \\boxed{}."), for datasets that do not carry it.
 
 An optional ``"solution"`` field is the reference response used by the supervised warm-up.
+
+Held-out evaluation problems (``heldout_prompts``, ``envs.split``): ``heldout_path`` (a second JSONL
+file; lines whose prompt is also a training prompt are dropped) or ``heldout_fraction`` (a fixed hash
+bucket of ``data.path`` held out of training).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from sao_megatron.config.schema import DataConfig
 from sao_megatron.envs.arithmetic import parse_options
 from sao_megatron.envs.base import Prompt, Task
 from sao_megatron.envs.dataset import DatasetError, load_jsonl
+from sao_megatron.envs.split import check_fraction, problem_key, require_heldout, split_by_bucket
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -32,7 +37,8 @@ class TextTask(Task):
     """Fields every dataset line must have besides the prompt."""
     example = '{"prompt": "..."}'
     """One dataset line, for error messages."""
-    defaults: dict[str, Any] = {"chat_template": True, "system_prompt": "", "instruction": ""}
+    defaults: dict[str, Any] = {"chat_template": True, "system_prompt": "", "instruction": "",
+                                "heldout_fraction": 0.0, "heldout_path": ""}
 
     def __init__(self, data: DataConfig, tokenizer) -> None:
         super().__init__(tokenizer)
@@ -41,11 +47,36 @@ class TextTask(Task):
             raise ValueError(f"data.task={self.name!r} needs data.path: a JSONL file with one object per line "
                              f"like {self.example} (see examples/data/ for a sample)")
         self.path = data.path
-        self._prompts = load_jsonl(data.path, tokenizer, max_prompt_tokens=data.max_prompt_tokens,
-                                   required=self.required, render=self.render, example=self.example)
+        check_fraction(self.opts["heldout_fraction"])
+        self._max_prompt_tokens = data.max_prompt_tokens
+        # Every line of data.path (subclasses validate these); the split happens on first use.
+        self._prompts = self._load(data.path)
+        self._split: tuple[list[Prompt], list[Prompt]] | None = None
+
+    def _load(self, path: str) -> list[Prompt]:
+        return load_jsonl(path, self.tokenizer, max_prompt_tokens=self._max_prompt_tokens,
+                          required=self.required, render=self.render, example=self.example)
+
+    def _train_heldout(self) -> tuple[list[Prompt], list[Prompt]]:
+        if self._split is None:
+            train, heldout = split_by_bucket(self._prompts, self.opts["heldout_fraction"])
+            if self.opts["heldout_path"]:
+                keys = {problem_key(p) for p in train}
+                heldout = [p for p in self._load(self.opts["heldout_path"]) if problem_key(p) not in keys]
+            if not train:
+                raise DatasetError(f"data.options.heldout_fraction={self.opts['heldout_fraction']} holds out every "
+                                   f"prompt of {self.path!r}; lower it")
+            self._split = (train, heldout)
+        return self._split
 
     def prompts(self) -> list[Prompt]:
-        return self._prompts
+        """The training prompts: ``data.path`` minus the held-out bucket."""
+        return self._train_heldout()[0]
+
+    def heldout_prompts(self, num: int) -> list[Prompt]:
+        found = self._train_heldout()[1][:num]
+        return require_heldout(found, num, self.name, "set data.options.heldout_path (a JSONL file of evaluation "
+                               "problems) or data.options.heldout_fraction (e.g. 0.1)")
 
     @property
     def stop_token_ids(self) -> list[int]:

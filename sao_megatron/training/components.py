@@ -9,6 +9,7 @@ The trainer, the supervised warm-up, the parity gate and the converters' checks 
 from __future__ import annotations
 
 import logging
+import pathlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 
 from sao_megatron.algorithms.advantages import RunningMeanBaseline
 from sao_megatron.algorithms.objectives import Objective, objective
-from sao_megatron.config import AlgorithmConfig, ExperimentConfig
+from sao_megatron.config import AlgorithmConfig, ExperimentConfig, ModelConfig
 from sao_megatron.config.validate import resolved_mode
 from sao_megatron.envs import build_task
 from sao_megatron.envs.base import Task
@@ -132,3 +133,21 @@ def initial_weights(c: Components, cfg: ExperimentConfig) -> None:
         from sao_megatron.models.critic import init_critic_from_actor
 
         init_critic_from_actor(c.critic.chunks, c.actor.chunks)
+
+
+def write_hf_export(c: Components, model: ModelConfig, out_dir: pathlib.Path, template_dir: pathlib.Path) -> None:
+    """Collective: the actor's weights as a loadable HF directory (safetensors + config.json + the
+    task's tokenizer) written by rank 0, exactly as the trainer syncs them to the engines."""
+    from sao_megatron.models.families.hf_config import write_hf_template
+    from sao_megatron.rollout.weight_sync import write_hf_safetensors
+
+    gen = export_weights(c)
+
+    def write() -> None:
+        try:
+            template = write_hf_template(model, getattr(c.task, "tokenizer", None), template_dir)
+            write_hf_safetensors(gen, out_dir, template_dir=template)
+        finally:
+            drain(gen)
+
+    rank0_call(write, others=lambda: drain(gen))

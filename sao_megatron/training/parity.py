@@ -32,25 +32,13 @@ def measure_parity(c: Components, model: ModelConfig, run_dir: pathlib.Path, *, 
                    max_new_tokens: int, temperature: float, seed: int,
                    engine_urls: list[str] | None = None) -> dict[str, float]:
     """Collective over the trainer's world; returns the gap statistics (on every rank)."""
-    from sao_megatron.models.families.hf_config import write_hf_template
     from sao_megatron.parallel.collectives import broadcast_object, rank0_call
     from sao_megatron.rollout.types import SamplingParams
-    from sao_megatron.training.components import drain, export_weights
+    from sao_megatron.training.components import write_hf_export
     from sao_megatron.training.forward import compute_logprobs
 
     out_dir = run_dir / "parity_weights"
-    gen = export_weights(c)
-
-    def write() -> None:
-        from sao_megatron.rollout.weight_sync import write_hf_safetensors
-
-        try:
-            template = write_hf_template(model, getattr(c.task, "tokenizer", None), run_dir / "hf_template")
-            write_hf_safetensors(gen, out_dir, template_dir=template)
-        finally:
-            drain(gen)
-
-    rank0_call(write, others=lambda: drain(gen))
+    write_hf_export(c, model, out_dir, run_dir / "hf_template")
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True,
                               sampling_seed=seed)
     pairs = rank0_call(lambda: _generate(c.task, out_dir, run_dir, sampling, num_prompts, seed, engine_urls))

@@ -1,7 +1,8 @@
 """`sao-megatron report RUN_DIR`: PNG plots from a run's metrics.jsonl.
 
 Plots: reward curve (with a moving average), staleness histogram over the
-whole run, DIS masked-token fractions, critic explained variance and, for
+whole run, DIS masked-token fractions, critic explained variance, held-out
+evaluation (pass@1 with its 95 % Wilson interval, mean reward) when the run has ``eval/*`` metrics and, for
 non-stationary runs, reward per phase against steps since the phase began
 (adaptation speed).
 """
@@ -100,6 +101,9 @@ def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None
     ax.set(xlabel="trainer step", ylabel="explained variance", title="Critic explained variance")
     save(fig, "critic_explained_variance.png")
 
+    if _series(records, "eval/pass_at_1")[1]:
+        save(_eval_figure(plt, records), "heldout_eval.png")
+
     by_phase: dict[int, list[tuple[int, float]]] = defaultdict(list)
     for r in records:
         if "rollout/phase" in r and isinstance(r.get("reward/mean"), (int, float)):
@@ -115,8 +119,23 @@ def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None
     return written
 
 
+def _eval_figure(plt, records: list[dict[str, Any]]):
+    """Held-out pass@1 with its CI band and mean reward against trainer steps (``training.evaluation``)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = [r for r in records if all(isinstance(r.get(k), (int, float))
+                                      for k in ("eval/pass_at_1", "eval/ci_low", "eval/ci_high"))]
+    xs = [r["step"] for r in rows]
+    ax.plot(xs, [r["eval/pass_at_1"] for r in rows], marker="o", label="pass@1")
+    ax.fill_between(xs, [r["eval/ci_low"] for r in rows], [r["eval/ci_high"] for r in rows], alpha=0.2,
+                    label="95% CI (Wilson)")
+    ax.plot(*_series(records, "eval/mean_reward"), marker="s", label="mean reward")
+    ax.set(xlabel="trainer step", ylabel="held-out score", title="Held-out evaluation")
+    ax.legend()
+    return fig
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="write PNG plots of a run (reward, staleness, masking, critic)")
+    p = sub.add_parser("report", help="write PNG plots of a run (reward, staleness, masking, critic, held-out eval)")
     p.add_argument("run_dir")
     p.add_argument("--out-dir", default=None, help="default: RUN_DIR/report")
     p.set_defaults(func=_run)

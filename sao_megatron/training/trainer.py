@@ -23,6 +23,7 @@ from sao_megatron.scheduler.sample import Sample
 from sao_megatron.training import rl_step
 from sao_megatron.training.batch import LocalBatch, prepare_batch
 from sao_megatron.training.components import Components, build_components, drain, export_weights, initial_weights
+from sao_megatron.training.evaluation import PeriodicEval
 from sao_megatron.training.metrics_log import MetricsLogger, reward_summary
 from sao_megatron.training.offload import park, resident
 from sao_megatron.training.optim import NonFiniteGuard
@@ -55,6 +56,8 @@ class Trainer:
         self.logger = (MetricsLogger(self.run_dir, cfg.logging, run_name=self.run_dir.name,
                                      config_dict=to_dict(cfg)) if self.rank0 else None)
         self._stop_signal: int | None = None
+        self.evaluator = (PeriodicEval.from_config(cfg.eval, self.c.task, cfg.data, cfg.rollout,
+                                                   num_steps=cfg.run.num_steps) if self.rank0 else None)
         if self.offload:  # Megatron logs every move at INFO (four lines a step); its setup lines are done by now
             logging.getLogger("megatron.core.optimizer.optimizer").setLevel(logging.WARNING)
 
@@ -204,6 +207,7 @@ class Trainer:
     def _log(self, metrics: dict[str, Any]) -> None:
         if self.rank0:  # logged under the 0-based index of the step just trained
             metrics |= self.rollout.metrics()
+            metrics |= self.evaluator.maybe_run(self.step, self.rollout, self.version)
             self.logger.log(self.step - 1, metrics)
 
     def _install_signal_handlers(self) -> None:

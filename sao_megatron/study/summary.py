@@ -1,0 +1,162 @@
+"""Tables and plots of a study: one row per variant, mean and 95 % CI over seeds.
+
+Per run (from its ``metrics.jsonl``): held-out pass@1 of the last evaluation, final training reward
+(mean ``reward/mean`` over the last 10 % of steps), steps to the study's reward threshold, entropy
+collapse (``actor/entropy`` over the last 10 % / first 10 % of steps), DIS masked fractions (run
+mean), critic explained variance (last 20 %), and for online runs the steps to recover 90 % of the
+pre-shift reward after each phase change. Per variant: mean with a Student-t 95 % CI over seeds.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import pathlib
+from dataclasses import dataclass, field
+
+from sao_megatron.study.spec import Plan, PlannedRun
+from sao_megatron.algorithms.stats import adaptation_steps, steps_to_threshold, t_interval
+
+RUN_KEYS = ("heldout_pass_at_1", "final_reward", "steps_to_threshold", "entropy_ratio", "dis_masked_low",
+            "dis_masked_high", "critic_explained_var", "adaptation_steps")
+
+
+def _read(run_dir: pathlib.Path) -> list[dict]:
+    from sao_megatron.training.metrics_log import read_metrics
+
+    return read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], float(r[key])) for r in records
+           if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _tail(xs: list[float], frac: float) -> list[float]:
+    return xs[-max(1, int(len(xs) * frac)):] if xs else []
+
+
+def run_stats(records: list[dict], *, threshold: float, online: bool) -> dict[str, float]:
+    """The per-run numbers of the table (NaN where a run has no such metric)."""
+    steps, reward = _series(records, "reward/mean")
+    _, heldout = _series(records, "eval/pass_at_1")
+    _, entropy = _series(records, "actor/entropy")
+    hit = steps_to_threshold(steps, reward, threshold)
+    out = {"heldout_pass_at_1": heldout[-1] if heldout else math.nan,
+           "final_reward": _mean(_tail(reward, 0.1)),
+           "steps_to_threshold": math.nan if hit is None else float(hit + 1),
+           "entropy_ratio": _mean(_tail(entropy, 0.1)) / _mean(entropy[:max(1, len(entropy) // 10)])
+           if entropy else math.nan,
+           "dis_masked_low": _mean(_series(records, "actor/dis_masked_low_frac")[1]),
+           "dis_masked_high": _mean(_series(records, "actor/dis_masked_high_frac")[1]),
+           "critic_explained_var": _mean(_tail(_series(records, "critic/explained_var")[1], 0.2)),
+           "adaptation_steps": math.nan}
+    if online:
+        phases = [int(r.get("rollout/phase", 0)) for r in records if isinstance(r.get("reward/mean"), (int, float))]
+        adapt = adaptation_steps(steps, reward, phases) if len(phases) == len(reward) else []
+        # A phase that never recovers counts as the rest of the run (a lower bound on its true cost).
+        vals = [a if a is not None else (steps[-1] - steps[0]) for a in adapt]
+        out["adaptation_steps"] = _mean([float(v) for v in vals])
+    return out
+
+
+@dataclass(slots=True)
+class VariantRow:
+    variant: str
+    shape: str
+    describe: str
+    runs: list[dict[str, float]] = field(default_factory=list)
+
+    def agg(self, key: str) -> tuple[float, float, float, int]:
+        """(mean, ci_low, ci_high, n) over the seeds that have the metric."""
+        vals = [r[key] for r in self.runs if not math.isnan(r[key])]
+        return (*t_interval(vals), len(vals))
+
+
+def collect(plan: Plan) -> list[VariantRow]:
+    """One row per variant over its finished runs (an unfinished run's 'final' numbers are not final)."""
+    from sao_megatron.study.runner import is_done
+
+    rows: dict[str, VariantRow] = {}
+    for run in plan.runs:
+        row = rows.setdefault(run.variant, VariantRow(run.variant, shape_of(run), plan.spec.variants[run.variant].describe))
+        records = _read(run.run_dir) if is_done(run) else []
+        if records:
+            row.runs.append(run_stats(records, threshold=plan.spec.threshold, online=run.online))
+    return list(rows.values())
+
+
+def shape_of(run: PlannedRun) -> str:
+    """prompts x rollouts per step."""
+    return f"{run.batch_size // run.group_size}x{run.group_size}"
+
+
+def _fmt(mean: float, low: float, high: float, n: int, digits: int = 3) -> str:
+    if n == 0 or math.isnan(mean):
+        return "n/a"
+    if n == 1:
+        return f"{mean:.{digits}f} (1 seed)"
+    return f"{mean:.{digits}f} ± {(high - low) / 2:.{digits}f}"
+
+
+_COLUMNS = (("held-out pass@1", "heldout_pass_at_1"), ("final train reward", "final_reward"),
+            ("steps to threshold", "steps_to_threshold"), ("entropy last/first", "entropy_ratio"),
+            ("DIS masked low", "dis_masked_low"), ("DIS masked high", "dis_masked_high"),
+            ("critic expl. var", "critic_explained_var"), ("adaptation steps", "adaptation_steps"))
+
+
+def write_tables(rows: list[VariantRow], out: pathlib.Path, *, threshold: float) -> tuple[pathlib.Path, pathlib.Path]:
+    """results.md (mean ± 95 % CI half-width over seeds) and results.csv (mean, low, high, n)."""
+    head = "| variant | prompts x rollouts | seeds | " + " | ".join(c for c, _ in _COLUMNS) + " |"
+    lines = [f"Mean ± 95 % CI half-width over seeds (Student t). Threshold for 'steps to threshold': training "
+             f"reward {threshold:g}. n/a: no finished run has the metric.", "", head,
+             "|" + "---|" * (3 + len(_COLUMNS))]
+    for row in rows:
+        cells = [_fmt(*row.agg(k), digits=1 if k in ("steps_to_threshold", "adaptation_steps") else 3)
+                 for _, k in _COLUMNS]
+        lines.append(f"| {row.variant} | {row.shape} | {len(row.runs)} | " + " | ".join(cells) + " |")
+    md = out / "results.md"
+    md.write_text("\n".join(lines) + "\n")
+    path = out / "results.csv"
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["variant", "shape", "seeds"] + [f"{k}_{s}" for _, k in _COLUMNS for s in ("mean", "low", "high", "n")])
+        for row in rows:
+            w.writerow([row.variant, row.shape, len(row.runs)] + [v for _, k in _COLUMNS for v in row.agg(k)])
+    return md, path
+
+
+def write_plots(plan: Plan, out: pathlib.Path) -> list[pathlib.Path]:
+    """Training reward vs samples and held-out pass@1 vs samples, mean over seeds per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for key, name, ylabel in (("reward/mean", "training_reward.png", "training reward"),
+                              ("eval/pass_at_1", "heldout_pass_at_1.png", "held-out pass@1")):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for variant in dict.fromkeys(r.variant for r in plan.runs):
+            curves = [_series(_read(r.run_dir), key) for r in plan.runs if r.variant == variant]
+            curves = [(xs, ys, r.batch_size) for (xs, ys), r in zip(curves, [r for r in plan.runs if r.variant == variant])
+                      if ys]
+            if not curves:
+                continue
+            n = min(len(ys) for _, ys, _ in curves)
+            xs, _, batch = curves[0]
+            mean = [sum(ys[i] for _, ys, _ in curves) / len(curves) for i in range(n)]
+            ax.plot([(s + 1) * batch for s in xs[:n]], mean, label=f"{variant} ({len(curves)} seeds)")
+        ax.set(xlabel="trained samples", ylabel=ylabel, title=f"{ylabel} (mean over seeds)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(out / name)
+    return written

@@ -1,0 +1,126 @@
+"""The study harness: plan at an equal sample budget, resumable execution, tables from metrics."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+
+import pytest
+import yaml
+
+from sao_megatron.cli import main
+from sao_megatron.study import runner
+from sao_megatron.study.spec import build_plan, load_study, select_variants
+from sao_megatron.study.summary import collect, run_stats, write_tables
+
+pytestmark = pytest.mark.unit
+STUDY = "configs/studies/paper-miniature.yaml"
+TODAY = ["sao", "grpo", "grpo_dis", "grpo_dis_equal_diversity", "sao_group_shaped", "running_mean", "full_critic",
+         "critic_k1", "no_value_pretrain", "gae_plain", "sao_online", "grpo_online"]
+
+
+def test_plan_shapes_and_equal_sample_budget(tmp_path):
+    spec, base = load_study(STUDY)
+    plan = build_plan(spec, base, tmp_path, variants=TODAY, seeds=2)
+    assert not plan.errors and len(plan.runs) == 2 * len(TODAY)
+    shape = {r.variant: (r.batch_size // r.group_size, r.group_size, r.num_steps) for r in plan.runs}
+    b = 32
+    assert shape["sao"] == (b, 1, 100) and shape["grpo"] == (b // 8, 8, 100) and shape["grpo_dis"] == (b // 8, 8, 100)
+    assert shape["grpo_dis_equal_diversity"] == (b, 8, 12) and shape["sao_group_shaped"] == (b // 8, 8, 100)
+    for r in plan.runs:  # equal sample budget, up to the rounding of a step
+        assert spec.samples_per_run - r.batch_size < r.num_steps * r.batch_size <= spec.samples_per_run
+    seeds = sorted({s for r in plan.runs if r.variant == "sao" for s in r.overrides if s.startswith("run.seed")})
+    assert seeds == ["run.seed=1234", "run.seed=1235"]
+
+
+def test_options_that_do_not_exist_yet_are_reported_not_run(tmp_path):
+    spec, base = load_study(STUDY)
+    plan = build_plan(spec, base, tmp_path, variants=select_variants(spec, full=True, only=None), seeds=1)
+    assert set(plan.errors) == {"grpo_ppo_epochs", "running_mean_exact"}
+    assert "actor.num_minibatches" in plan.errors["grpo_ppo_epochs"] or "actor.ppo_epochs" in plan.errors["grpo_ppo_epochs"]
+    assert select_variants(spec, full=False, only=None) == ["sao", "grpo", "grpo_dis"]
+    with pytest.raises(ValueError, match="unknown"):
+        select_variants(spec, full=False, only=["nope"])
+
+
+def test_dry_run_prints_the_plan_and_an_estimate(tmp_path, capsys):
+    assert main(["study", "--config", STUDY, "--out", str(tmp_path), "--dry-run", "--seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "sao " in out and "32x1" in out and "4x8" in out and "estimated time:" in out
+    assert not any(tmp_path.iterdir())  # nothing ran
+    assert main(["study", "--config", STUDY, "--out", str(tmp_path), "--full"]) == 2  # not runnable today
+
+
+def _records(rewards, *, entropy=None, evals=None, phases=None, ev=None):
+    recs = []
+    for i, r in enumerate(rewards):
+        rec = {"step": i, "reward/mean": r, "actor/dis_masked_low_frac": 0.01 * i, "actor/dis_masked_high_frac": 0.0}
+        if entropy:
+            rec["actor/entropy"] = entropy[i]
+        if evals and i in evals:
+            rec["eval/pass_at_1"] = evals[i]
+        if phases:
+            rec["rollout/phase"] = phases[i]
+        if ev:
+            rec["critic/explained_var"] = ev[i]
+        recs.append(rec)
+    return recs
+
+
+def test_run_stats_by_hand():
+    rewards = [0.1 * i for i in range(20)]
+    s = run_stats(_records(rewards, entropy=[2.0] * 2 + [1.0] * 16 + [0.5] * 2, evals={9: 0.2, 19: 0.4},
+                           ev=[0.5] * 16 + [0.1, 0.2, 0.3, 0.4]), threshold=0.5, online=False)
+    assert s["heldout_pass_at_1"] == 0.4
+    assert s["final_reward"] == pytest.approx((1.8 + 1.9) / 2)
+    # trailing 5-mean of 0.1*i reaches 0.5 at i=7 ((0.3+...+0.7)/5) -> 8 steps
+    assert s["steps_to_threshold"] == 8
+    assert s["entropy_ratio"] == pytest.approx(0.5 / 2.0)
+    assert s["dis_masked_low"] == pytest.approx(sum(0.01 * i for i in range(20)) / 20)
+    assert s["critic_explained_var"] == pytest.approx(0.25)
+    assert math.isnan(s["adaptation_steps"])
+    online = run_stats(_records([1.0] * 10 + [0.0, 0.0, 1.0] + [1.0] * 7, phases=[0] * 10 + [1] * 10),
+                       threshold=0.5, online=True)
+    assert online["adaptation_steps"] == 6  # trailing 5-mean >= 0.9 first at index 16 = 6 steps after the shift
+
+
+def _fake_train(tmp_path):
+    """A stand-in for `sao-megatron train`: writes metrics from its --set run.seed, fails on seed 1235 once."""
+    script = tmp_path / "fake_train.py"
+    script.write_text(
+        "import json, pathlib, sys\n"
+        "a = sys.argv\n"
+        "run = pathlib.Path(a[a.index('--run-dir') + 1]); run.mkdir(parents=True, exist_ok=True)\n"
+        "sets = {a[i + 1].split('=', 1)[0]: a[i + 1].split('=', 1)[1] for i, x in enumerate(a) if x == '--set'}\n"
+        "seed, steps = int(sets['run.seed']), int(sets['run.num_steps'])\n"
+        "flag = run / 'tried'\n"
+        "if seed == 1235 and not flag.exists():\n"
+        "    flag.write_text(''); sys.exit(3)\n"
+        "with (run / 'metrics.jsonl').open('w') as f:\n"
+        "    for i in range(steps):\n"
+        "        f.write(json.dumps({'step': i, 'reward/mean': (seed - 1234) * 0.5, 'eval/pass_at_1': (seed - 1234) * 0.5}) + '\\n')\n")
+    return script
+
+
+def test_execute_is_resumable_and_tables_aggregate_over_seeds(tmp_path, monkeypatch):
+    spec, base = load_study(STUDY)
+    spec.samples_per_run = 64
+    plan = build_plan(spec, base, tmp_path / "out", variants=["sao"], seeds=3)
+    fake = _fake_train(tmp_path)
+    monkeypatch.setattr(runner, "train_command", lambda p, r: [sys.executable, str(fake), "--run-dir", str(r.run_dir)]
+                        + [x for s in r.overrides for x in ("--set", s)])
+    failed = runner.execute(plan, 2, on_event=lambda m: None, poll_s=0.05)
+    assert [r.seed_index for r in failed] == [1]
+    assert [runner.is_done(r) for r in plan.runs] == [True, False, True]
+    assert runner.estimate_seconds(plan, 1) > 0
+    started = []
+    assert runner.execute(plan, 2, on_event=started.append, poll_s=0.05) == []
+    assert sum(m.startswith("start") for m in started) == 1  # finished runs are skipped
+    md, csv_path = write_tables(collect(plan), tmp_path, threshold=0.5)
+    row = next(csv.DictReader(csv_path.open()))
+    assert row["variant"] == "sao" and row["seeds"] == "3"
+    assert float(row["heldout_pass_at_1_mean"]) == pytest.approx(0.5)  # seeds give 0, 0.5, 1.0
+    assert float(row["heldout_pass_at_1_high"]) - 0.5 == pytest.approx(4.302652729911275 * 0.5 / math.sqrt(3))
+    assert "| sao | 32x1 | 3 | 0.500 ± 1.242" in md.read_text()
