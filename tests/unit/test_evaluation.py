@@ -4,7 +4,6 @@ periodic schedule and the eval config section."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 

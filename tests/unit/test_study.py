@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import csv
-import json
 import math
 import sys
 
 import pytest
-import yaml
 
 from sao_megatron.cli import main
 from sao_megatron.study import runner
