@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import csv
 import math
 import sys
@@ -33,11 +35,13 @@ def test_plan_shapes_and_equal_sample_budget(tmp_path):
     assert seeds == ["run.seed=1234", "run.seed=1235"]
 
 
-def test_options_that_do_not_exist_yet_are_reported_not_run(tmp_path):
+def test_every_variant_of_the_full_matrix_loads_and_a_bad_one_is_reported_not_run(tmp_path):
     spec, base = load_study(STUDY)
     plan = build_plan(spec, base, tmp_path, variants=select_variants(spec, full=True, only=None), seeds=1)
-    assert set(plan.errors) == {"grpo_ppo_epochs", "running_mean_exact"}
-    assert "actor.num_minibatches" in plan.errors["grpo_ppo_epochs"] or "actor.ppo_epochs" in plan.errors["grpo_ppo_epochs"]
+    assert not plan.errors
+    spec.variants["broken"] = dataclasses.replace(spec.variants["grpo"], overrides={"actor.no_such_key": 1})
+    plan = build_plan(spec, base, tmp_path, variants=["sao", "broken"], seeds=1)
+    assert set(plan.errors) == {"broken"} and "no_such_key" in plan.errors["broken"]
     assert select_variants(spec, full=False, only=None) == ["sao", "grpo", "grpo_dis"]
     with pytest.raises(ValueError, match="unknown"):
         select_variants(spec, full=False, only=["nope"])
