@@ -25,6 +25,7 @@ _VERBS: dict[str, str] = {
     "serve-local": "sao_megatron.rollout.engine.cli",
     "convert": "checkpoints_tools.cli",
     "launch": "sao_megatron.launch.cli",
+    "node": "sao_megatron.launch.node",
 }
 
 
