@@ -31,6 +31,7 @@ class Sock:
     state: str
     local: tuple[str, int]
     remote: tuple[str, int]
+    job: str = ""
 
 
 def decode_address(text: str) -> tuple[str, int]:
@@ -66,7 +67,7 @@ def socket_inodes(pid: int) -> set[int]:
     return out
 
 
-def process_sockets(pid: int, node: str) -> list[Sock]:
+def process_sockets(pid: int, node: str, job: str = "") -> list[Sock]:
     """Every TCP socket ``pid`` holds, from its own namespace's tables (empty once it is gone)."""
     try:
         inodes = socket_inodes(pid)
@@ -77,7 +78,7 @@ def process_sockets(pid: int, node: str) -> list[Sock]:
         cmd = " ".join(psutil.Process(pid).cmdline())[:200]
     except (OSError, psutil.Error):
         return []
-    return [Sock(node, pid, cmd, *table[i]) for i in inodes if i in table]
+    return [Sock(node, pid, cmd, *table[i], job=job) for i in inodes if i in table]
 
 
 def job_processes(job_id: str) -> dict[int, str]:
@@ -116,7 +117,7 @@ class SocketMonitor:
         self.job_ids = job_ids
         self.interval_s = interval_s
         self.sockets: set[Sock] = set()
-        self.environ: dict[str, dict[str, str]] = {}  # cmd -> the IFNAME variables of one such process
+        self.environ: dict[tuple[str, str], dict[str, str]] = {}  # (node, cmd) -> its *_SOCKET_IFNAME variables
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="socket-monitor")
 
@@ -132,16 +133,16 @@ class SocketMonitor:
         while not self._stop.wait(self.interval_s):
             for job_id in self.job_ids:
                 for pid, node in job_processes(job_id).items():
-                    self.sockets.update(process_sockets(pid, node))
-                    self._note_environ(pid)
+                    self.sockets.update(process_sockets(pid, node, job_id))
+                    self._note_environ(pid, node)
 
-    def _note_environ(self, pid: int) -> None:
+    def _note_environ(self, pid: int, node: str) -> None:
         try:
             env = psutil.Process(pid).environ()
             cmd = " ".join(psutil.Process(pid).cmdline())[:200]
         except psutil.Error:
             return
-        self.environ.setdefault(cmd, {k: v for k, v in env.items() if k.endswith("_SOCKET_IFNAME")})
+        self.environ.setdefault((node, cmd), {k: v for k, v in env.items() if k.endswith("_SOCKET_IFNAME")})
 
 
 def loopback_uses(sockets: set[Sock]) -> list[Sock]:

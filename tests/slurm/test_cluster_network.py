@@ -12,17 +12,8 @@ import textwrap
 
 import pytest
 
-from slurm_helpers import CLUSTER, FINAL_STATES, wait_for, wait_for_state
+from slurm_helpers import CLUSTER, FINAL_STATES, node_addrs, wait_for, wait_for_state
 from sockets import SocketMonitor, decode_address, loopback_uses, parse_tcp_table, process_sockets
-
-NODE_ADDR = "NodeAddr"
-
-
-def node_addrs() -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "node", "-o"], capture_output=True, text=True, check=True, timeout=60)
-    fields = [dict(t.split("=", 1) for t in line.split() if "=" in t) for line in out.stdout.splitlines()]
-    return {f["NodeName"]: f[NODE_ADDR] for f in fields if "NodeName" in f}
-
 
 def net_mode() -> str:
     return pathlib.Path("/var/lib/sao-slurm/run/net").read_text().strip()
