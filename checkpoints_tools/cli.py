@@ -16,6 +16,7 @@ def _layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to run at (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to run at (default 1)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size to run at (default 1)")
+    p.add_argument("--etp", type=int, default=None, help="tensor-parallel size inside experts (default: --tp)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -81,8 +82,8 @@ def run_hf_to_mcore(args: argparse.Namespace) -> int:
         if _rank0():
             print("\n".join(mapping_table(src)))
         return 0
-    out = convert_hf_to_mcore(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
-                              overwrite=args.overwrite)
+    out = convert_hf_to_mcore(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
+                              dtype=args.dtype, overwrite=args.overwrite)
     if _rank0():
         print(f"wrote Megatron checkpoint {out}")
     return 0
@@ -93,7 +94,7 @@ def run_mcore_to_hf(args: argparse.Namespace) -> int:
     from checkpoints_tools.mcore_to_hf import convert_mcore_to_hf
 
     out = convert_mcore_to_hf(args.mcore_dir, args.out_dir, hf_template=args.hf_template, tp=args.tp, pp=args.pp,
-                              ep=args.ep, dtype=args.dtype, max_shard_bytes=args.max_shard_mb << 20,
+                              ep=args.ep, etp=args.etp, dtype=args.dtype, max_shard_bytes=args.max_shard_mb << 20,
                               overwrite=args.overwrite)
     if _rank0():
         print(f"wrote HF model {out}")
@@ -104,7 +105,7 @@ def run_mcore_to_hf(args: argparse.Namespace) -> int:
 def run_check(args: argparse.Namespace) -> int:
     from checkpoints_tools.parity import run_check as check
 
-    res = check(args.hf_dir, args.mcore_dir, tp=args.tp, pp=args.pp, ep=args.ep, batch=args.batch_size,
+    res = check(args.hf_dir, args.mcore_dir, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, batch=args.batch_size,
                 seq_len=args.seq_len, seed=args.seed)
     ok = res.ok(args.tol)
     if _rank0():

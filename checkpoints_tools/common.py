@@ -25,32 +25,34 @@ MODEL_CONFIG = "model_config.yaml"
 CONVERSION_INFO = "conversion.json"
 
 
-def parallel_config(model_cfg: ModelConfig, tp: int, pp: int, ep: int) -> ParallelConfig:
-    """The layout a converter runs at (MoE with TP needs sequence parallelism)."""
+def parallel_config(model_cfg: ModelConfig, tp: int, pp: int, ep: int, etp: int | None = None) -> ParallelConfig:
+    """The layout a converter runs at (MoE with TP needs sequence parallelism); ``etp``: expert-TP (None = TP)."""
     moe = model_cfg.num_moe_experts is not None
     return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                          expert_model_parallel_size=ep, sequence_parallel=moe and tp > 1,
-                          use_distributed_optimizer=False)
+                          expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                          sequence_parallel=moe and tp > 1, use_distributed_optimizer=False)
 
 
-def check_launch(tp: int, pp: int, ep: int) -> None:
+def check_launch(tp: int, pp: int, ep: int, etp: int | None = None) -> None:
     """Fail early (before importing Megatron) when the layout needs more processes than launched."""
     import math
     import os
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    need = math.lcm(tp * pp, tp * ep * pp)  # expert-TP = TP
-    if min(tp, pp, ep) < 1 or world % need:
-        raise ConversionError(f"--tp {tp} --pp {pp} --ep {ep} needs a multiple of {need} processes, got {world}: "
-                              f"launch with `torchrun --nproc-per-node {need} -m sao_megatron.cli convert ...`")
+    etp = tp if etp is None else etp
+    need = math.lcm(tp * pp, etp * ep * pp)
+    if min(tp, pp, ep, etp) < 1 or world % need:
+        raise ConversionError(f"--tp {tp} --pp {pp} --ep {ep} --etp {etp} needs a multiple of {need} processes, "
+                              f"got {world}: launch with `torchrun --nproc-per-node {need} -m sao_megatron.cli "
+                              "convert ...`")
 
 
-def bootstrap(model_cfg: ModelConfig, tp: int, pp: int, ep: int, *, seed: int = 0):
+def bootstrap(model_cfg: ModelConfig, tp: int, pp: int, ep: int, *, etp: int | None = None, seed: int = 0):
     """torch.distributed + Megatron parallel state + this rank's model chunks: (ctx, chunks)."""
     from sao_megatron.models.builder import build_model_chunks
-    from sao_megatron.training.distributed import init_distributed
+    from sao_megatron.parallel.bootstrap import init_distributed
 
-    ctx = init_distributed(parallel_config(model_cfg, tp, pp, ep), seed=seed)
+    ctx = init_distributed(parallel_config(model_cfg, tp, pp, ep, etp), seed=seed)
     chunks = build_model_chunks(model_cfg, ctx)
     for chunk in chunks:
         chunk.eval()

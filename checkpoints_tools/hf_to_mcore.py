@@ -66,15 +66,18 @@ def mapping_table(src: HfSource) -> list[str]:
 
 
 def convert_hf_to_mcore(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, tp: int = 1, pp: int = 1,
-                        ep: int = 1, dtype: str | None = None, overwrite: bool = False,
+                        ep: int = 1, etp: int | None = None, dtype: str | None = None, overwrite: bool = False,
                         family: Family | None = None, progress: bool = True) -> pathlib.Path:
-    """Convert; returns the checkpoint directory. Run under torchrun when tp*pp*ep > 1."""
+    """Convert; returns the checkpoint directory. Run under torchrun when tp*pp*ep > 1.
+
+    ``etp``: tensor-parallel size inside the experts (None: ``tp``).
+    """
     import torch.distributed as dist
 
     src = open_hf(hf_dir, dtype=dtype, family=family)
     out = common.check_output_dir(out_dir, overwrite=overwrite)
-    common.check_launch(tp, pp, ep)
-    ctx, chunks = common.bootstrap(src.model_cfg, tp, pp, ep)
+    common.check_launch(tp, pp, ep, etp)
+    ctx, chunks = common.bootstrap(src.model_cfg, tp, pp, ep, etp=etp)
     from sao_megatron.models.families.sharded import load_hf_weights
 
     load_hf_weights(chunks, src.wmap, src.ckpt, progress=progress and ctx.rank == 0)
@@ -82,6 +85,7 @@ def convert_hf_to_mcore(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path,
         common.save_megatron(tmp, chunks)
         if ctx.rank == 0:
             info = {"source": str(pathlib.Path(hf_dir).resolve()), "family": src.family.name,
-                    "architectures": src.hf_config.get("architectures"), "layout": {"tp": tp, "pp": pp, "ep": ep}}
+                    "architectures": src.hf_config.get("architectures"),
+                    "layout": {"tp": tp, "pp": pp, "ep": ep, "etp": etp or tp}}
             common.write_metadata(tmp, src.model_cfg, info)
     return out

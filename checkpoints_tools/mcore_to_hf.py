@@ -55,9 +55,13 @@ def check_template(model_cfg: ModelConfig, hf_template: pathlib.Path) -> None:
 
 def convert_mcore_to_hf(mcore_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *,
                         hf_template: str | pathlib.Path | None = None, tp: int = 1, pp: int = 1, ep: int = 1,
-                        dtype: str | None = None, max_shard_bytes: int = 5 << 30, bucket_bytes: int = 512 << 20,
+                        etp: int | None = None, dtype: str | None = None, max_shard_bytes: int = 5 << 30,
+                        bucket_bytes: int = 512 << 20,
                         overwrite: bool = False, progress: bool = True) -> pathlib.Path:
-    """Export; returns the HF directory. Run under torchrun when tp*pp*ep > 1."""
+    """Export; returns the HF directory. Run under torchrun when tp*pp*ep > 1.
+
+    ``etp``: tensor-parallel size inside the experts (None: ``tp``).
+    """
     import torch.distributed as dist
 
     mcore_dir = pathlib.Path(mcore_dir)
@@ -67,8 +71,8 @@ def convert_mcore_to_hf(mcore_dir: str | pathlib.Path, out_dir: str | pathlib.Pa
         check_template(model_cfg, template)
     out_dtype = output_dtype(model_cfg, template, dtype)
     out = common.check_output_dir(out_dir, overwrite=overwrite)
-    common.check_launch(tp, pp, ep)
-    ctx, chunks = common.bootstrap(model_cfg, tp, pp, ep)
+    common.check_launch(tp, pp, ep, etp)
+    ctx, chunks = common.bootstrap(model_cfg, tp, pp, ep, etp=etp)
     common.load_megatron(mcore_dir, chunks)
     from sao_megatron.training.export import ExportPlan, write_hf_weights
 

@@ -113,7 +113,7 @@ def check_parity(hf_dir: str | pathlib.Path, chunks, ctx, vocab_size: int, *, ba
 
 
 def run_check(hf_dir: str | pathlib.Path, mcore_dir: str | pathlib.Path, *, tp: int = 1, pp: int = 1,
-              ep: int = 1, batch: int = 2, seq_len: int = 24, seed: int = 0) -> ParityResult:
+              ep: int = 1, etp: int | None = None, batch: int = 2, seq_len: int = 24, seed: int = 0) -> ParityResult:
     """Load the Megatron checkpoint in fp32 at the given layout and compare it with the HF model."""
     from checkpoints_tools.hf_to_mcore import open_hf
 
@@ -122,8 +122,8 @@ def run_check(hf_dir: str | pathlib.Path, mcore_dir: str | pathlib.Path, *, tp: 
     diffs = architecture_diff(model_cfg, hf_cfg)
     if diffs:
         raise ConversionError(f"{mcore_dir} and {hf_dir} describe different models: {'; '.join(diffs[:3])}")
-    common.check_launch(tp, pp, ep)
-    ctx, chunks = common.bootstrap(model_cfg, tp, pp, ep)
+    common.check_launch(tp, pp, ep, etp)
+    ctx, chunks = common.bootstrap(model_cfg, tp, pp, ep, etp=etp)
     common.load_megatron(pathlib.Path(mcore_dir), chunks)
     return check_parity(hf_dir, chunks, ctx, model_cfg.vocab_size, batch=batch, seq_len=seq_len, seed=seed)
 

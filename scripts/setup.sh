@@ -33,25 +33,12 @@ if [ ! -f "$venv/.complete" ]; then
   "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
   "$venv/bin/python" -m pip install -q -r requirements.txt >&2
-  # SGLang's own request/reply types for the contract tests: api_types.py from
-  # the pinned sglang wheel (msgspec only; the full package needs CUDA).
-  tmp="$(mktemp -d)"
-  "$venv/bin/python" -m pip download -q --no-deps sglang==0.5.23 -d "$tmp" >&2
-  "$venv/bin/python" - "$tmp" "$venv/sglang_contract" <<'PY'
-import pathlib, sys, zipfile
-src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-dst.mkdir(parents=True, exist_ok=True)
-wheel = next(src.glob("sglang-0.5.23-*.whl"))
-with zipfile.ZipFile(wheel) as zf:
-    for name in ("sglang/api/v1/api_types.py", "sglang/srt/managers/io_struct.py",
-                 "sglang/srt/entrypoints/http_server.py"):
-        if name in zf.namelist():
-            (dst / pathlib.Path(name).name).write_bytes(zf.read(name))
-(dst / "VERSION").write_text("0.5.23\n")
-PY
-  rm -rf "$tmp"
   touch "$venv/.complete"
 fi
+
+# SGLang contract files from the pinned wheel: a separate idempotent step (its own stamp), so a
+# change to the file list re-extracts them without rebuilding the venv.
+bash "$repo/scripts/sglang_contract.sh" "$venv"
 
 # Quiet unless it fails (setuptools prints multi-line notices on every editable install).
 if ! out="$("$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo" 2>&1)"; then

@@ -114,7 +114,7 @@ def ppo_clip_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv
     (Schulman et al. 2017, asymmetric "clip-higher" bounds as in DAPO). ``dual_clip = c > 1``
     (Ye et al. 2020): for ``Â < 0`` also ``ℓ = min(ℓ, −c·Â)``, bounding the loss of a token whose
     ratio exploded. old_logprobs: recomputed old-policy log-probs (GRPO) or rollout log-probs (PPO).
-    Metrics: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_dual`` (with dual clip)
+    Metrics: ``actor/pg_loss``, ``actor/clip_frac``, ``actor/clip_frac_dual`` (with dual clip)
     and the ratio/KL/ESS statistics.
     """
     _check_shapes(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, action_mask=action_mask)
@@ -130,12 +130,12 @@ def ppo_clip_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    metrics = {"actor/pg_clipfrac": masked_mean((clipped > unclipped).double(), mask)}
+    metrics = {"actor/clip_frac": masked_mean((clipped > unclipped).double(), mask)}
     if dual_clip is not None:
         bound = -adv * dual_clip
         dual_hit = (adv < 0) & (per_token > bound)
         per_token = torch.where(dual_hit, bound, per_token)
-        metrics["actor/pg_clipfrac_dual"] = masked_mean(dual_hit.double(), mask)
+        metrics["actor/clip_frac_dual"] = masked_mean(dual_hit.double(), mask)
     loss = aggregate_loss(per_token, mask, agg=agg, num_tokens=num_tokens, num_sequences=num_sequences)
     metrics["actor/pg_loss"] = loss.detach()
     metrics.update(importance_ratio_metrics(log_ratio, mask))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pathlib
 
 from sao_megatron.config.loader import (
@@ -37,9 +38,16 @@ def load_config(path: str | pathlib.Path, overrides: list[str] | None = None, *,
     return cfg
 
 
-def write_resolved(cfg: ExperimentConfig, run_dir: str | pathlib.Path) -> pathlib.Path:
-    """Write the fully resolved config into the run directory (``config.yaml``)."""
+def write_resolved(cfg: ExperimentConfig, run_dir: str | pathlib.Path, *,
+                   scheduler_mode: str | None = None) -> pathlib.Path:
+    """Write the fully resolved config into the run directory (``config.yaml``).
+
+    ``scheduler_mode``: ``scheduler.mode`` as resolved at build time (``auto`` -> single/group),
+    recorded in the written copy; ``cfg`` itself is not changed."""
     out = pathlib.Path(run_dir) / "config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if scheduler_mode is not None:
+        cfg = copy.deepcopy(cfg)
+        cfg.scheduler.mode = scheduler_mode
     dump_yaml(cfg, out)
     return out

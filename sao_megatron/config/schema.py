@@ -143,6 +143,12 @@ class ActorConfig:
     """Activation recomputation."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
+    ppo_epochs: int = 1
+    """Passes over each batch (PPO-style). With >1 a clip against the old policy (grpo) bites; SAO's default is
+    one step per batch. The policy version advances once per batch, the LR schedule once per optimizer step."""
+    num_minibatches: int = 1
+    """Optimizer steps per pass: the batch is split into this many mini-batches (each normalised by its own
+    global token count)."""
     load: str | None = None
     """Megatron checkpoint to initialise the actor from (None: model.hf_dir or random)."""
 
@@ -199,8 +205,11 @@ class AlgorithmConfig:
     """Loss aggregation over the global batch."""
     group_size: int = 8
     """G: rollouts per prompt for group algorithms."""
+    running_mean: Literal["exact", "exponential"] = "exponential"
+    """Running-mean baseline of sao_running_mean (the paper's ablation): exact (mean of every reward seen so
+    far) or exponential (running_mean_momentum)."""
     running_mean_momentum: float = 0.99
-    """EMA momentum of the running-mean baseline."""
+    """Momentum of the exponential running-mean baseline (algorithm.running_mean=exponential)."""
     normalize_group_std: bool = True
     """Divide group advantages by the group std (GRPO)."""
 
@@ -346,6 +355,10 @@ class RunConfig:
 class ResourcesConfig:
     """The cluster a run is laid out for: trainer GPUs and SGLang rollout servers (`sao-megatron plan`)."""
 
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the trainer runs: cuda (stops at start-up with the reason when CUDA is unusable), cpu (gloo, CPU
+    shims, local specs), or auto (CUDA when usable, else the CPU with one warning line). Checked at start-up,
+    never by config validation."""
     nodes: int = 1
     """Trainer nodes; actor and critic are colocated on all their GPUs (world = nodes * gpus_per_node)."""
     gpus_per_node: int = 8

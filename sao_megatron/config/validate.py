@@ -7,11 +7,9 @@ is optional: without it only layout-internal constraints are checked.
 
 from __future__ import annotations
 
+from sao_megatron.algorithms.objectives import objective
 from sao_megatron.config.loader import ConfigError
 from sao_megatron.config.schema import ExperimentConfig, ModelConfig, ParallelConfig, ResourcesConfig
-
-CRITIC_ALGORITHMS = {"sao", "ppo"}
-GROUP_ALGORITHMS = {"grpo", "grpo_dis"}
 
 
 def validate(cfg: ExperimentConfig, *, world_size: int | None = None, source: str = "config") -> None:
@@ -100,17 +98,23 @@ def resolved_mode(cfg: ExperimentConfig) -> str:
     """scheduler.mode with ``auto`` resolved from the algorithm (group algorithms need groups)."""
     if cfg.scheduler.mode != "auto":
         return cfg.scheduler.mode
-    return "group" if cfg.algorithm.name in GROUP_ALGORITHMS else "single"
+    return "group" if objective(cfg.algorithm.name).grouped else "single"
 
 
 def check_training(cfg: ExperimentConfig) -> list[str]:
     errs = []
     alg, sched, critic = cfg.algorithm, cfg.scheduler, cfg.critic
+    if cfg.actor.ppo_epochs < 1 or cfg.actor.num_minibatches < 1:
+        errs.append("actor.ppo_epochs and actor.num_minibatches must be >= 1 (1 and 1: one step per batch)")
+    elif cfg.actor.num_minibatches > sched.batch_size:
+        errs.append(f"actor.num_minibatches={cfg.actor.num_minibatches} exceeds scheduler.batch_size="
+                    f"{sched.batch_size}: a mini-batch needs at least one sample")
     if critic.num_updates_per_step < 1:
         errs.append(f"critic.num_updates_per_step={critic.num_updates_per_step} must be >= 1 (paper: K=2)")
-    if alg.name in CRITIC_ALGORITHMS and not critic.enabled:
+    obj = objective(alg.name)
+    if obj.critic and not critic.enabled:
         errs.append(f"algorithm.name={alg.name} needs a value model: set critic.enabled=true")
-    if alg.name in GROUP_ALGORITHMS:
+    if obj.grouped:
         if resolved_mode(cfg) == "single":
             errs.append(f"algorithm.name={alg.name} needs groups: set scheduler.mode=group (or sync)")
         if alg.group_size < 2:
@@ -118,6 +122,12 @@ def check_training(cfg: ExperimentConfig) -> list[str]:
         if sched.batch_size % alg.group_size:
             errs.append(f"scheduler.batch_size={sched.batch_size} must be a multiple of "
                         f"algorithm.group_size={alg.group_size}")
+    if cfg.rollout.return_routed_experts:
+        errs.append("rollout.return_routed_experts=true collects the engines' routed experts, which nothing uses "
+                    "until routing replay lands (issue 18); remove it")
+    if alg.running_mean == "exact" and alg.running_mean_momentum != 0.99:
+        errs.append("algorithm.running_mean_momentum applies to the exponential running mean only; remove it or "
+                    "set algorithm.running_mean=exponential")
     if not (0 < alg.eps_low <= 1):
         errs.append(f"algorithm.eps_low={alg.eps_low} must be in (0, 1]")
     if alg.eps_high <= 0:

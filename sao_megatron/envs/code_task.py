@@ -8,7 +8,10 @@ final fence runs to the end of the response); without a fence, the whole respons
 
 Reward (``code_reward``, in a RewardPool worker): the program and then the tests run in
 ``envs.sandbox`` (no network, CPU/memory/wall limits from ``data.options``, output truncated,
-process count limited). Test units: each list element, or each top-level statement of a test
+process count limited). ``data.options.sandbox``: ``isolated`` (default) runs them only in an
+isolating mode (root namespaces, or an unprivileged user namespace) and stops at start-up where
+neither works; ``unsafe`` then accepts the audit-hook fallback, which native code escapes. The
+mode chosen is logged once at start-up. Test units: each list element, or each top-level statement of a test
 string, where the ``assert`` statements are what is counted (the others are setup). Reward 1.0 if
 the program loads and every unit passes, else 0.0; ``partial_credit: true`` gives the fraction of
 units passing instead. A harness prints a per-call random token after the tests, so a program
@@ -20,15 +23,17 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import re
 import secrets
 from typing import Any
 
 from sao_megatron.envs.base import Prompt, RewardFn
 from sao_megatron.envs.dataset import DatasetError
-from sao_megatron.envs.sandbox import SandboxLimits, run_python
+from sao_megatron.envs.sandbox import SandboxLimits, run_python, sandbox_mode
 from sao_megatron.envs.text_task import TextTask
 
+logger = logging.getLogger(__name__)
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
 # Reads everything it needs before the untrusted program runs (the program may rewrite its files);
@@ -87,10 +92,11 @@ def split_tests(tests: str | list[str]) -> list[tuple[str, int]]:
 
 
 def code_reward(response: str, units: list[tuple[str, int]], partial_credit: bool,
-                limits: dict[str, float]) -> tuple[float, dict[str, float]]:
-    """Run the response's program and the test units in the sandbox; see the module docstring."""
+                limits: dict[str, float], isolation: str = "auto") -> tuple[float, dict[str, float]]:
+    """Run the response's program and the test units in the sandbox (``isolation``: a mode of
+    ``envs.sandbox.run_python``, as resolved by ``CodeTask`` at start-up); see the module docstring."""
     token = secrets.token_hex(16)
-    res = run_python(_HARNESS, stdin=token + "\n", limits=SandboxLimits(**limits),
+    res = run_python(_HARNESS, stdin=token + "\n", limits=SandboxLimits(**limits), isolation=isolation,
                      files={"solution.py": extract_code(response), "cases.json": json.dumps(units)})
     info = {"timeout": float(res.timed_out), "loaded": 0.0, "pass_frac": 0.0}
     report = next((line.split() for line in reversed(res.stdout.splitlines()) if line.startswith(token)), None)
@@ -110,7 +116,7 @@ class CodeTask(TextTask):
     required = ("tests",)
     example = '{"prompt": "Write a Python function add(a, b).", "tests": "assert add(1, 2) == 3"}'
     defaults: dict[str, Any] = {**TextTask.defaults, "partial_credit": False, "timeout_s": 5.0,
-                                "cpu_s": 5.0, "memory_mb": 1024, "max_output_bytes": 65536}
+                                "cpu_s": 5.0, "memory_mb": 1024, "max_output_bytes": 65536, "sandbox": "isolated"}
 
     def __init__(self, data, tokenizer) -> None:
         super().__init__(data, tokenizer)
@@ -121,6 +127,7 @@ class CodeTask(TextTask):
                              "program before the reward pool gives up on the worker")
         if o["cpu_s"] < 1 or o["memory_mb"] < 64 or o["max_output_bytes"] < 1024:
             raise ValueError("data.options: need cpu_s >= 1, memory_mb >= 64 and max_output_bytes >= 1024")
+        self.isolation = sandbox_mode(o["sandbox"], what="code")
         for p in self._prompts:  # fail at start-up, not as a zero reward in every episode
             try:
                 split_tests(p.meta["tests"])
@@ -134,4 +141,4 @@ class CodeTask(TextTask):
         limits = {"wall_s": o["timeout_s"], "cpu_s": o["cpu_s"], "memory_mb": o["memory_mb"],
                   "max_output_bytes": o["max_output_bytes"]}
         return code_reward, (self.decode_actions(trajectory_ids, action_mask), split_tests(prompt.meta["tests"]),
-                             o["partial_credit"], limits)
+                             o["partial_credit"], limits, self.isolation)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from sao_megatron.envs.arithmetic import ArithmeticTask
 from sao_megatron.envs.base import Env, Prompt, RewardFn, StepResult
-from sao_megatron.envs.sandbox import SandboxLimits, run_python
+from sao_megatron.envs.sandbox import SandboxLimits, run_python, sandbox_mode
 from sao_megatron.envs.tokenizer import CharTokenizer
 
 _TOOL_CODE = """
@@ -27,9 +27,12 @@ print(eval(compile(expr, "<calculator>", "eval"), {"__builtins__": {}}, {}))
 _MAX_RESULT_CHARS = 24
 
 
-def calculator(expr: str, *, limits: SandboxLimits | None = None) -> tuple[bool, str]:
-    """Evaluate a Python expression in the sandbox -> (ok, text of the result or error)."""
-    res = run_python(_TOOL_CODE, files={"expr.txt": expr},
+def calculator(expr: str, *, limits: SandboxLimits | None = None, isolation: str = "auto") -> tuple[bool, str]:
+    """Evaluate a Python expression in the sandbox -> (ok, text of the result or error).
+
+    ``isolation``: a mode of ``envs.sandbox.run_python`` (``CalculatorTask`` resolves it at start-up
+    from ``data.options.sandbox``)."""
+    res = run_python(_TOOL_CODE, files={"expr.txt": expr}, isolation=isolation,
                      limits=limits or SandboxLimits(cpu_s=1, wall_s=3, memory_mb=256))
     if res.timed_out or res.returncode < 0:
         return False, "error: time limit"
@@ -42,9 +45,10 @@ def calculator(expr: str, *, limits: SandboxLimits | None = None) -> tuple[bool,
 class CalculatorEnv(Env):
     """Alternates policy turns and calculator observations until the policy answers without a call."""
 
-    def __init__(self, tokenizer: CharTokenizer, tool_call_reward: float) -> None:
+    def __init__(self, tokenizer: CharTokenizer, tool_call_reward: float, isolation: str = "auto") -> None:
         self.tok = tokenizer
         self.tool_call_reward = tool_call_reward
+        self.isolation = isolation
 
     def reset(self, prompt: Prompt) -> list[int]:
         return list(prompt.input_ids)
@@ -57,7 +61,7 @@ class CalculatorEnv(Env):
         closed = action_ids[-1] == tok.call_end_id
         expr_ids = action_ids[start + 1:len(action_ids) - closed]
         expr = tok.decode([i for i in expr_ids if i != tok.call_end_id], skip_special=True, strict=False)
-        ok, text = calculator(expr)
+        ok, text = calculator(expr, isolation=self.isolation)
         obs = ([] if closed else [tok.call_end_id]) + [tok.obs_id] + tok.encode(text, strict=False) + [tok.obs_end_id]
         return StepResult(observation_ids=obs, done=False, reward=self.tool_call_reward if ok else 0.0,
                           info={"tool_ok": ok})
@@ -68,14 +72,19 @@ class CalculatorTask(ArithmeticTask):
 
     name = "calculator"
     defaults = {**ArithmeticTask.defaults, "min_operand": 10, "max_operand": 999, "num_operands": 3,
-                "ops": "+-*", "partial_credit": False, "tool_call_reward": 0.1}
+                "ops": "+-*", "partial_credit": False, "tool_call_reward": 0.1, "sandbox": "isolated"}
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        # The model writes the calculator's expressions: the same sandbox policy as the code task.
+        self.isolation = sandbox_mode(self.opts["sandbox"], what="calculator")
 
     @property
     def stop_token_ids(self) -> list[int]:
         return [self.tokenizer.eos_id, self.tokenizer.call_end_id]
 
     def make_env(self) -> Env:
-        return CalculatorEnv(self.tokenizer, self.opts["tool_call_reward"])
+        return CalculatorEnv(self.tokenizer, self.opts["tool_call_reward"], self.isolation)
 
     def reward_call(self, prompt: Prompt, trajectory_ids: list[int], action_mask: list[int],
                     target: str) -> tuple[RewardFn, tuple]:

@@ -16,7 +16,7 @@ import pathlib
 import shutil
 
 from sao_megatron.config import ExperimentConfig, load_config
-from sao_megatron.launch.plan import LaunchPlan, server_kind
+from sao_megatron.launch.layout import LaunchPlan, server_kind
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,11 @@ def write_bootstrap(cfg: ExperimentConfig, out: pathlib.Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from sao_megatron.envs import build_task
-    from sao_megatron.training.rollout_side import write_hf_template
+    from sao_megatron.models.families.hf_config import write_hf_template
 
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    write_hf_template(cfg.model, build_task(cfg.data, model=cfg.model), tmp)
+    write_hf_template(cfg.model, getattr(build_task(cfg.data, model=cfg.model), "tokenizer", None), tmp)
     template_config = (tmp / "config.json").read_text()
     torch.manual_seed(cfg.run.seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp))

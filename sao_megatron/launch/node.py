@@ -40,15 +40,14 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
 import psutil
 
+from sao_megatron.launch import layout as lp
 from sao_megatron.launch import network
-from sao_megatron.launch import plan as lp
-from sao_megatron.launch.plan import LaunchPlan
+from sao_megatron.launch.layout import LaunchPlan
+from sao_megatron.rollout.health import wait_healthy
 
 log = logging.getLogger(__name__)
 _PR_SET_CHILD_SUBREAPER = 36
@@ -89,32 +88,6 @@ def endpoints(plan: LaunchPlan, alloc: Allocation) -> tuple[list[str], str | Non
                                                           lp.engines_per_node(plan))]
     router = lp.url(*lp.router_endpoint(alloc.rollout_addrs, alloc.port_base)) if lp.uses_router(plan) else None
     return urls, router
-
-
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # cluster-internal: never via a proxy
-
-
-def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
-    try:
-        with _DIRECT.open(f"{base_url}/health", timeout=timeout_s) as reply:
-            return reply.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def wait_healthy(urls: list[str], *, timeout_s: float, alive=lambda: True, what: str = "engine") -> None:
-    """Poll ``/health`` of every URL; TimeoutError naming the ones that never answered."""
-    pending = list(urls)
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        pending = [u for u in pending if not is_healthy(u)]
-        if not pending:
-            return
-        if not alive():
-            raise RuntimeError(f"a local {what} process exited before {pending} became healthy")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}s not healthy after {timeout_s:.0f} s: {pending}")
-        time.sleep(0.5)
 
 
 def node_env(plan: LaunchPlan, alloc: Allocation, own_addr: str) -> dict[str, str]:

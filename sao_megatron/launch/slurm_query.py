@@ -11,7 +11,7 @@ import tempfile
 from dataclasses import dataclass
 
 from sao_megatron.config import load_config
-from sao_megatron.launch.plan import LaunchPlan, trainer_world_size
+from sao_megatron.launch.layout import LaunchPlan, trainer_world_size
 
 
 class SlurmUnavailable(RuntimeError):

@@ -27,9 +27,9 @@ import psutil
 
 from sao_megatron.launch import engine_init
 from sao_megatron.launch import node as nd
-from sao_megatron.launch import plan as lp
+from sao_megatron.launch import layout as lp
 from sao_megatron.launch import slurm_query as sq
-from sao_megatron.launch.plan import LaunchPlan
+from sao_megatron.launch.layout import LaunchPlan
 
 log = logging.getLogger(__name__)
 PREEMPT_SIGNAL = "URG"

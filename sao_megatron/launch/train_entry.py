@@ -15,7 +15,8 @@ import importlib
 import logging
 import sys
 
-from sao_megatron.launch.node import ENGINE_START_TIMEOUT_S, wait_healthy
+from sao_megatron.launch.node import ENGINE_START_TIMEOUT_S
+from sao_megatron.rollout.health import wait_healthy
 
 log = logging.getLogger(__name__)
 # Imported before waiting (best effort: a missing one is imported by the trainer as usual).

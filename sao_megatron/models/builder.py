@@ -21,7 +21,7 @@ from sao_megatron.config.schema import ModelConfig, ParallelConfig
 from sao_megatron.models.specs import decoder_block_spec, transformer_engine_usable
 
 if TYPE_CHECKING:
-    from sao_megatron.training.distributed import ParallelContext
+    from sao_megatron.parallel.bootstrap import ParallelContext
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +76,11 @@ def recompute_fields(granularity: str, *, use_te: bool = False, grouped_gemm: bo
 
 
 def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *, use_te: bool | None = None,
-                             recompute: str = "none") -> TransformerConfig:
+                             recompute: str = "none", on_cpu: bool | None = None) -> TransformerConfig:
     """Megatron TransformerConfig for actor and critic trunks (no process groups needed).
 
     ``recompute``: ``none``, ``selective`` or ``full`` activation recomputation (``recompute_fields``).
+    ``on_cpu``: the run trains on the CPU (``ctx.device``); None asks torch whether CUDA is available.
     """
     use_te = transformer_engine_usable() if use_te is None else use_te
     dtype = _DTYPES[model.params_dtype]
@@ -100,7 +101,7 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *, us
         hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=not torch.cuda.is_available() if on_cpu is None else on_cpu,
         # Micro-batches have different lengths: 1F1B pipelines exchange shapes. Not with the allgather
         # dispatcher (Megatron forbids it) nor interleaving (deadlocks on gloo): training.forward pads.
         variable_seq_lengths=(pp > 1 and not parallel.virtual_pipeline_model_parallel_size
@@ -136,8 +137,8 @@ def build_gpt_model(model: ModelConfig, ctx: ParallelContext, *, vp_stage: int |
     returns values [b, s, 1] instead of vocab-parallel logits [b, s, padded_vocab / tp].
     ``use_te``: Transformer Engine specs (default: when TE and a GPU are present).
     """
-    use_te = transformer_engine_usable() if use_te is None else use_te
-    config = config or build_transformer_config(model, ctx.parallel, use_te=use_te)
+    use_te = transformer_engine_usable(ctx.device) if use_te is None else use_te
+    config = config or build_transformer_config(model, ctx.parallel, use_te=use_te, on_cpu=ctx.device.type == "cpu")
     spec = decoder_block_spec(config, use_te=use_te, pp_rank=ctx.pp_rank, vp_stage=vp_stage)
     gpt = GPTModel(
         config=config, transformer_layer_spec=spec,
@@ -158,11 +159,29 @@ def build_gpt_model(model: ModelConfig, ctx: ParallelContext, *, vp_stage: int |
 def build_model_chunks(model: ModelConfig, ctx: ParallelContext, *, value_head: bool = False,
                        use_te: bool | None = None, recompute: str = "none") -> list[GPTModel]:
     """All model chunks of this rank: one, or ``virtual_pipeline_model_parallel_size`` with interleaved PP."""
-    use_te = transformer_engine_usable() if use_te is None else use_te
-    config = build_transformer_config(model, ctx.parallel, use_te=use_te, recompute=recompute)
+    use_te = transformer_engine_usable(ctx.device) if use_te is None else use_te
+    config = build_transformer_config(model, ctx.parallel, use_te=use_te, recompute=recompute,
+                                      on_cpu=ctx.device.type == "cpu")
     stages = [None] if ctx.vpp_size is None or ctx.pp_size == 1 else list(range(ctx.vpp_size))
-    return [build_gpt_model(model, ctx, vp_stage=s, value_head=value_head, config=config, use_te=use_te)
-            for s in stages]
+    chunks = [build_gpt_model(model, ctx, vp_stage=s, value_head=value_head, config=config, use_te=use_te)
+              for s in stages]
+    check_on_device(chunks, ctx.device)
+    return chunks
+
+
+def check_on_device(chunks: list[torch.nn.Module], device: torch.device) -> None:
+    """Every parameter on ``device`` (the training device), or a clear error naming the first one
+    that is not: a module created elsewhere would fail only at the first forward. Buffers off the
+    device are logged (Megatron keeps a few bookkeeping buffers wherever it likes)."""
+    for chunk in chunks:
+        for name, t in chunk.named_buffers():
+            if t.device.type != device.type:
+                logger.warning("model buffer %s is on %s, the run trains on %s", name, t.device, device)
+        for name, t in chunk.named_parameters():
+            if t.device.type != device.type:
+                raise RuntimeError(f"model tensor {name} was created on {t.device}, the run trains on {device}: "
+                                   "a module outside Megatron's own layers ignores use_cpu_initialization "
+                                   "(see models.specs.init_device)")
 
 
 def count_parameters(chunks: list[torch.nn.Module]) -> dict[str, int]:

@@ -62,11 +62,11 @@ class ValueHead(torch.nn.Module):
     """
 
     def __init__(self, hidden_size: int, *, sequence_parallel: bool, tp_group: dist.ProcessGroup | None,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         super().__init__()
         # Zero init: identical on every rank without coordinating RNGs, values start at 0.
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
         self.sequence_parallel = sequence_parallel
         self.tp_group = tp_group
         for p in (self.weight, self.bias):
@@ -83,8 +83,12 @@ class ValueHead(torch.nn.Module):
 
 def attach_value_head(gpt: torch.nn.Module, *, tp_group: dist.ProcessGroup | None) -> ValueHead:
     """Replace the LM head of a last-stage GPTModel by a ValueHead (the model's forward then gives values)."""
+    from sao_megatron.models.specs import init_device
+
+    # On the model's device: a head left on the CPU of a GPU node breaks the first forward
+    # (plain optimizer, or a frozen head that no optimizer buffer ever moves).
     head = ValueHead(gpt.config.hidden_size, sequence_parallel=gpt.config.sequence_parallel, tp_group=tp_group,
-                     dtype=gpt.config.params_dtype)
+                     dtype=gpt.config.params_dtype, device=init_device(gpt.config))
     gpt.output_layer = head
     return head
 

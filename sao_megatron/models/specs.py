@@ -32,11 +32,23 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 
-def transformer_engine_usable() -> bool:
-    """TE specs need both the TE package and a GPU."""
+def transformer_engine_usable(device: torch.device | None = None) -> bool:
+    """TE specs need both the TE package and a CUDA training device (``device``: the run's, from
+    ``resources.device``; None asks torch whether CUDA is available)."""
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
-    return bool(HAVE_TE) and torch.cuda.is_available()
+    on_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    return bool(HAVE_TE) and on_cuda
+
+
+def init_device(config: TransformerConfig) -> torch.device:
+    """Where a module built outside Megatron's own layers must create its parameters: Megatron's
+    convention (``use_cpu_initialization`` on CPU machines, else the current CUDA device). Modules
+    created on the CPU on a GPU node reach the device only through the distributed optimizer's
+    buffers, if at all, and the first forward fails."""
+    if config.use_cpu_initialization:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 class LocalNorm:
@@ -49,7 +61,7 @@ class LocalNorm:
         norm_cls = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}.get(config.normalization)
         if norm_cls is None:
             raise ValueError(f"normalization={config.normalization!r} is not supported; use RMSNorm or LayerNorm")
-        norm = norm_cls(hidden_size, eps=eps, dtype=config.params_dtype)
+        norm = norm_cls(hidden_size, eps=eps, dtype=config.params_dtype, device=init_device(config))
         for param in norm.parameters():
             # Under SP each TP rank normalises its own sequence shard: the weight gradient is a
             # partial sum that finalize_model_grads all-reduces over TP for params tagged like this.

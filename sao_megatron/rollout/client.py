@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from sao_megatron.rollout.health import HEALTH_TIMEOUT_S, EngineState, probe
 from sao_megatron.rollout.protocol import build_generate_payload, parse_generate_reply, truncate
 from sao_megatron.rollout.routing import LeastLoadedRouter
 from sao_megatron.rollout.types import (
@@ -70,6 +71,8 @@ class RolloutClient:
         self.on_exchange = on_exchange
         self.weight_version: int | None = None
         """Last version pushed through this client (None before the first update)."""
+        self.paused = False
+        """Generation is paused on the engines (health probes then skip SGLang's /health, which waits)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # trust_env=False: a proxy from the environment must never see loopback engine traffic.
         self._http = httpx.AsyncClient(
@@ -234,9 +237,11 @@ class RolloutClient:
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
         await self._broadcast("/pause_generation", {"mode": mode})
+        self.paused = True
 
     async def continue_generation(self) -> None:
         await self._broadcast("/continue_generation", {})
+        self.paused = False
 
     async def abort_request(self, rid: str) -> None:
         """Abort one request; the pending ``generate`` returns its partial output with finish_reason abort."""
@@ -323,32 +328,34 @@ class RolloutClient:
         replies = await self._broadcast("/model_info", None, method="GET", expect_json=True)
         return [dict(replies[u], url=u) for u in replies]
 
-    async def health(self, timeout_s: float = 5.0) -> dict[str, bool]:
-        """``/health`` of every engine, unhealthy ones included; updates which engines receive data.
+    async def health(self, timeout_s: float = HEALTH_TIMEOUT_S) -> dict[str, bool]:
+        """Probe every engine (``rollout.health.probe``), unhealthy ones included; True = alive.
 
-        An engine comes back only if it also reports the last pushed weight version
-        (one that missed an update must not serve stale weights).
+        A dead engine (no answer at all) stops receiving data. A busy one (paused, loading, or slower
+        than the bound) keeps its status: SGLang's /health takes a generation step, so a slow answer
+        is not a death. An engine comes back only once /health passes and it reports the last pushed
+        weight version (one that missed an update must not serve stale weights).
         """
-        results = await asyncio.gather(*(self._probe(u, timeout_s) for u in self.engine_urls))
-        status = dict(zip(self.engine_urls, results))
-        for url, ok in status.items():
-            if ok:
+        states = await asyncio.gather(*(self._probe(u, timeout_s) for u in self.engine_urls))
+        for url, state in zip(self.engine_urls, states):
+            if state is EngineState.OK:
                 self._router.mark_healthy(url)
-            else:
-                self._mark_unhealthy(url, "/health failed")
-        return status
+            elif state is EngineState.DEAD:
+                self._mark_unhealthy(url, "no answer to /model_info (process gone or hung)")
+        return {u: s is not EngineState.DEAD for u, s in zip(self.engine_urls, states)}
 
-    async def _probe(self, url: str, timeout_s: float) -> bool:
+    async def _probe(self, url: str, timeout_s: float) -> EngineState:
+        state = await probe(self._http, url, paused=self.paused, health_timeout_s=timeout_s)
+        if state is not EngineState.OK or self.weight_version is None:
+            return state
         try:
-            resp = await self._http.get(url + "/health", timeout=timeout_s)
-            if resp.status_code != 200:
-                return False
-            if self.weight_version is None:
-                return True
             info = (await self._http.get(url + "/model_info", timeout=timeout_s)).json()
-            return str(info.get("weight_version")) == str(self.weight_version)
         except (httpx.HTTPError, ValueError):
-            return False
+            return EngineState.DEAD
+        if str(info.get("weight_version")) == str(self.weight_version):
+            return EngineState.OK
+        self._mark_unhealthy(url, f"serves weight version {info.get('weight_version')}, expected {self.weight_version}")
+        return EngineState.BUSY  # alive, but kept out until it has the current weights
 
     async def aclose(self) -> None:
         await self._http.aclose()

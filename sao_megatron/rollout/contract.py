@@ -1,13 +1,16 @@
 """Check payloads against SGLang's own definitions from the pinned wheel (sglang 0.5.23).
 
-``scripts/setup.sh`` copies three files of the pinned sglang wheel into
-``<venv>/sglang_contract/``:
+``scripts/sglang_contract.sh`` (run by ``scripts/setup.sh``) copies single files
+of the pinned sglang wheel into ``<venv>/sglang_contract/``:
 - ``api_types.py``: generated msgspec types of the HTTP JSON API; /generate
   requests and replies, /model_info, /server_info, /abort_request are decoded
   with it (its ``decode_*`` functions raise on a contract violation);
 - ``io_struct.py``: the request structs of the control plane (pause, weight
   updates, ...). It imports half of SGLang, so it is not imported: its class
-  bodies are read with ``ast`` into field schemas (name, annotation, required).
+  bodies are read with ``ast`` into field schemas (name, annotation, required);
+- ``weight_versions.py`` (+ ``msgspec_utils.py``, which it imports): how the
+  scheduler records weight-version events and turns them into the
+  ``weight_versions`` spans of a reply; the span reader is tested against it.
 
 Used by the contract tests and usable as a ``RolloutClient(on_exchange=...)``
 hook when debugging against a new SGLang version.
@@ -63,6 +66,39 @@ def api_types() -> ModuleType:
     spec = importlib.util.spec_from_file_location("sglang_contract_api_types", contract_dir() / "api_types.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def weight_versions() -> ModuleType:
+    """SGLang's ``srt/utils/weight_versions.py`` (events -> spans), loaded by file path.
+
+    Its one SGLang import, ``sglang.srt.utils.msgspec_utils``, is served from the contract copy
+    while the file executes and removed from ``sys.modules`` afterwards.
+    """
+    helper = _load_contract_file("sglang_contract_msgspec_utils", "msgspec_utils.py")
+    name = "sglang.srt.utils.msgspec_utils"
+    previous = sys.modules.get(name)
+    sys.modules[name] = helper
+    try:
+        return _load_contract_file("sglang_contract_weight_versions", "weight_versions.py")
+    finally:
+        if previous is None:
+            del sys.modules[name]
+        else:
+            sys.modules[name] = previous
+
+
+def _load_contract_file(module_name: str, file_name: str) -> ModuleType:
+    path = contract_dir() / file_name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run `bash scripts/sglang_contract.sh <venv>` (or "
+                                f"`bash scripts/setup.sh`) to extract the SGLang contract files")
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and msgspec resolve annotations through it
     spec.loader.exec_module(module)
     return module
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,14 +21,10 @@ from pathlib import Path
 
 import httpx
 
+from sao_megatron.net import free_port
+from sao_megatron.rollout.health import wait_healthy
+
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _offline_env() -> dict[str, str]:
@@ -76,18 +71,10 @@ def _stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
 
 
 def _wait_http_ok(url: str, proc: subprocess.Popen, log: Path, deadline: float, what: str) -> None:
-    with httpx.Client(trust_env=False, timeout=2.0) as http:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with code {proc.returncode} during startup; log {log}:\n"
-                                   f"{_log_tail(log)}")
-            try:
-                if http.get(url).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"{what} not healthy at {url} in time; log {log}:\n{_log_tail(log)}")
+    """The local process ``proc`` serves ``url``'s /health, or RuntimeError/TimeoutError with its log tail."""
+    wait_healthy([url], timeout_s=max(deadline - time.monotonic(), 0.0), what=what,
+                 alive=lambda: proc.poll() is None,
+                 on_dead=lambda: f"exit code {proc.poll()}; log {log}:\n{_log_tail(log)}")
 
 
 class LocalEngines:
@@ -133,7 +120,7 @@ class LocalEngines:
             deadline = time.monotonic() + self.startup_timeout_s
             for proc, port_file, log in zip(self.processes, port_files, self.logs):
                 url = f"http://127.0.0.1:{self._wait_port(proc, port_file, log, deadline)}"
-                _wait_http_ok(url + "/health", proc, log, deadline, f"engine {url}")
+                _wait_http_ok(url, proc, log, deadline, f"engine {url}")
                 self.urls.append(url)
         except BaseException:
             self.stop()
@@ -218,7 +205,7 @@ class SGLangRouterProcess:
                                                 preexec_fn=_die_with_parent)
             url = f"http://127.0.0.1:{port}"
             try:
-                _wait_http_ok(url + "/health", self.process, log, time.monotonic() + self.startup_timeout_s,
+                _wait_http_ok(url, self.process, log, time.monotonic() + self.startup_timeout_s,
                               "sglang-router")
                 self._wait_workers(url, log)
             except RuntimeError:

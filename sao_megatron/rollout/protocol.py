@@ -43,25 +43,42 @@ def build_generate_payload(input_ids: list[int], sampling: SamplingParams, *, ri
 
 
 def versions_from_spans(spans: Any, num_tokens: int) -> list[int]:
-    """Per-token versions from ``meta_info.weight_versions``.
+    """Per-token versions from ``meta_info.weight_versions``, read as SGLang 0.5.23 builds them.
 
-    ``spans`` is ``[{"version": "17", "start": 0, "end": 40}, ...]``; the spans must be
-    contiguous, non-empty and cover ``[0, num_tokens)`` exactly.
+    ``spans`` is ``[{"version": "17", "start": 0, "end": 40}, ...]``: non-empty spans that tile
+    ``[0, num_tokens)`` exactly. SGLang (``srt/utils/weight_versions.py``) records version changes
+    only for requests that already have output, so its one zero-length span is the lone span
+    ``[0, 0)`` of a reply with no output tokens (aborted or stopped before the first token);
+    an empty list is accepted for such a reply too. Anything else raises ValueError.
     """
     if not isinstance(spans, list):
         raise ValueError(f"weight_versions must be a list of spans, got {type(spans).__name__}")
+    if num_tokens == 0 and len(spans) <= 1:
+        for span in spans:
+            if _span_bounds(span) != (0, 0):
+                raise ValueError(f"weight_versions span {span!r} for a reply with no output tokens; "
+                                 "SGLang sends the lone span [0, 0) then")
+            _int_version(span["version"])
+        return []
     versions: list[int] = []
     for span in spans:
-        if not isinstance(span, dict) or not {"version", "start", "end"} <= span.keys():
-            raise ValueError(f"malformed weight_versions span {span!r}")
-        start, end = span["start"], span["end"]
+        start, end = _span_bounds(span)
         if start != len(versions) or end <= start:
-            raise ValueError(f"weight_versions spans do not tile the output: span {span!r} after "
-                             f"{len(versions)} tokens")
+            raise ValueError(f"weight_versions spans do not tile the output with non-empty spans: span {span!r} "
+                             f"after {len(versions)} tokens")
         versions.extend([_int_version(span["version"])] * (end - start))
     if len(versions) != num_tokens:
         raise ValueError(f"weight_versions cover {len(versions)} tokens but there are {num_tokens} output tokens")
     return versions
+
+
+def _span_bounds(span: Any) -> tuple[int, int]:
+    if not isinstance(span, dict) or not {"version", "start", "end"} <= span.keys():
+        raise ValueError(f"malformed weight_versions span {span!r}: needs version, start and end")
+    start, end = span["start"], span["end"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end)):
+        raise ValueError(f"malformed weight_versions span {span!r}: start and end must be integers")
+    return start, end
 
 
 def _int_version(value: Any) -> int:

@@ -60,9 +60,14 @@ class AsyncScheduler:
                  schedule: RewardSchedule | None = None, max_turns: int = 1, max_total_tokens: int = 1 << 20,
                  reward_workers: int = 2, reward_timeout_s: float = 10.0, version: int = 0, seed: int = 0,
                  shuffle: bool = True, return_routed_experts: bool = False, max_attempts: int = 3,
-                 max_engine_retries: int = 5, retry_backoff_s: float = 0.5) -> None:
+                 max_engine_retries: int = 5, retry_backoff_s: float = 0.5, mode: str | None = None) -> None:
         self.cfg, self.client, self.task = sched_cfg, client, task
-        self.group_size = group_size if sched_cfg.mode != "single" else 1
+        # The resolved mode (build_components resolves "auto" from the objective; the config is not mutated).
+        self.mode = mode if mode is not None else sched_cfg.mode
+        if self.mode not in ("single", "group", "sync"):
+            raise ValueError(f"scheduler mode {self.mode!r} must be resolved to single, group or sync first "
+                             "(config.validate.resolved_mode)")
+        self.group_size = group_size if self.mode != "single" else 1
         self._check_sizes()
         self.prompts = prompts if prompts is not None else task.prompts()
         self.version = version
@@ -95,7 +100,7 @@ class AsyncScheduler:
     @classmethod
     def from_config(cls, client, task: Task, sched_cfg: SchedulerConfig, data_cfg: DataConfig,
                     rollout_cfg: RolloutConfig, *, group_size: int = 1, version: int = 0,
-                    schedule: RewardSchedule | None = None) -> AsyncScheduler:
+                    schedule: RewardSchedule | None = None, mode: str | None = None) -> AsyncScheduler:
         """The scheduler as configured by the scheduler, data and rollout sections (phases from
         ``data_cfg.phases`` unless ``schedule`` is given)."""
         schedule = schedule or build_reward_schedule(data_cfg)
@@ -104,7 +109,8 @@ class AsyncScheduler:
         return cls(client, task, sched_cfg, sampling, group_size=group_size, schedule=schedule,
                    max_turns=data_cfg.max_turns, max_total_tokens=data_cfg.max_total_tokens,
                    reward_workers=data_cfg.reward_workers, reward_timeout_s=data_cfg.reward_timeout_s,
-                   version=version, seed=data_cfg.seed, return_routed_experts=rollout_cfg.return_routed_experts)
+                   version=version, seed=data_cfg.seed, return_routed_experts=rollout_cfg.return_routed_experts,
+                   mode=mode)
 
     def _check_sizes(self) -> None:
         c, g = self.cfg, self.group_size
@@ -150,7 +156,7 @@ class AsyncScheduler:
             return False
         if self._in_flight + g > self.cfg.concurrency:
             return False
-        if self.cfg.mode == "sync":
+        if self.mode == "sync":
             return (self._sync_request is not None
                     and self.num_started + g <= self._stats.counters["trained"] + self._sync_request)
         return self.num_started + g <= self.admission_limit()
@@ -276,7 +282,7 @@ class AsyncScheduler:
         if not self._running:
             raise RuntimeError("AsyncScheduler.next_batch before start()")
         taken: list[list[Sample]] = []
-        if self.cfg.mode == "sync":
+        if self.mode == "sync":
             self._sync_request = size
             self._admit()
         try:
@@ -363,7 +369,7 @@ class AsyncScheduler:
         return {"version": self.version, "cursor": cursor, "counters": dict(self._stats.counters),
                 "fifo": [[s.to_dict() for s in unit] for unit in self._fifo],
                 "base": [self._base_started, self._base_version], "next_uid": self._next_uid,
-                "next_gid": self._next_gid, "mode": self.cfg.mode, "group_size": self.group_size}
+                "next_gid": self._next_gid, "mode": self.mode, "group_size": self.group_size}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict`` (before ``start()``)."""

@@ -50,20 +50,27 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _run_sft(args: argparse.Namespace) -> int:
-    from sao_megatron.config import load_config
+    import torch.distributed as dist
+
+    from sao_megatron.config import load_config, write_resolved
+    from sao_megatron.parallel.bootstrap import destroy
     from sao_megatron.training.checkpoint import save_checkpoint
+    from sao_megatron.training.components import build_components
     from sao_megatron.training.sft import supervised_warmup
-    from sao_megatron.training.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     if cfg.run.sft_steps < 1:
         raise ValueError("sft needs run.sft_steps >= 1 (e.g. --set run.sft_steps=200)")
-    trainer = Trainer(cfg, _check_run_dir(args.run_dir), resume="never")
+    run_dir = _check_run_dir(args.run_dir)
+    c = build_components(cfg, with_critic=False)  # the warm-up trains the policy only
     try:
-        supervised_warmup(trainer)
-        out = pathlib.Path(args.run_dir) / "sft_actor"
-        save_checkpoint(out, trainer.actor.chunks)
+        if dist.get_rank() == 0:
+            write_resolved(cfg, run_dir)
+        supervised_warmup(c.actor, c.task, c.ctx, run=cfg.run, model=cfg.model,
+                          max_tokens=cfg.actor.max_tokens_per_microbatch)
+        out = run_dir / "sft_actor"
+        save_checkpoint(out, c.actor.chunks)
         log.info("actor after supervised warm-up -> %s (use --set actor.load=%s)", out, out)
     finally:
-        trainer.close()
+        destroy()
     return 0

@@ -30,7 +30,7 @@ from sao_megatron.models.actor import token_logprobs
 from sao_megatron.models.critic import token_values
 
 if TYPE_CHECKING:
-    from sao_megatron.training.distributed import ParallelContext
+    from sao_megatron.parallel.bootstrap import ParallelContext
 
 MicroBatch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]

@@ -99,3 +99,13 @@ def read_metrics(run_dir: str | pathlib.Path) -> list[dict[str, Any]]:
             rec = json.loads(line)
             by_step[rec["step"]] = rec
     return [by_step[s] for s in sorted(by_step)]
+
+
+def reward_summary(run_dir: str | pathlib.Path) -> str | None:
+    """One line a person can check: did the reward go up over the run? (None below 10 steps.)"""
+    rewards = [r["reward/mean"] for r in read_metrics(run_dir) if isinstance(r.get("reward/mean"), float)]
+    if len(rewards) < 10:
+        return None
+    head, tail = rewards[: max(1, len(rewards) // 10)], rewards[-max(1, len(rewards) // 5):]
+    return (f"{len(rewards)} steps; reward/mean {sum(head) / len(head):.3f} over the first 10% of steps -> "
+            f"{sum(tail) / len(tail):.3f} over the last 20%")

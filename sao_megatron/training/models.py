@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from sao_megatron.config import CriticConfig, ModelConfig, OptimizerConfig
+from sao_megatron.config import ActorConfig, CriticConfig, ModelConfig
 from sao_megatron.models.builder import build_model_chunks, count_parameters
-from sao_megatron.models.critic import freeze_for_critic, init_critic_from_actor
+from sao_megatron.models.critic import freeze_for_critic
 from sao_megatron.training.optim import setup_optimizer
 
 log = logging.getLogger(__name__)
@@ -32,19 +32,18 @@ class TrainedModel:
     """Local parameter counts: total, trainable, frozen (and per group for the critic)."""
 
 
-def build_actor(model: ModelConfig, opt: OptimizerConfig, ctx, *, total_steps: int,
-                recompute: str = "none") -> TrainedModel:
-    chunks = build_model_chunks(model, ctx, recompute=recompute)
+def build_actor(model: ModelConfig, actor: ActorConfig, ctx, *, total_steps: int) -> TrainedModel:
+    """The policy: Megatron chunks + DDP + optimizer + LR schedule over ``total_steps`` optimizer steps."""
+    chunks = build_model_chunks(model, ctx, recompute=actor.recompute_granularity)
     counts = count_parameters(chunks)
-    ddp, optimizer, scheduler = setup_optimizer(chunks, opt, ctx, total_steps=total_steps)
+    ddp, optimizer, scheduler = setup_optimizer(chunks, actor.optimizer, ctx, total_steps=total_steps)
     return TrainedModel(chunks=chunks, ddp=ddp, optimizer=optimizer, scheduler=scheduler, param_counts=counts)
 
 
-def build_critic(model: ModelConfig, critic: CriticConfig, ctx, actor_chunks, *, total_steps: int) -> TrainedModel:
-    """Critic = actor trunk + value head, initialised from the actor, frozen per ``critic.trainable``."""
+def build_critic(model: ModelConfig, critic: CriticConfig, ctx, *, total_steps: int) -> TrainedModel:
+    """Critic = actor trunk + value head, frozen per ``critic.trainable``. Its weights are set once the
+    actor's starting weights are final (``training.weights.initial_weights``)."""
     chunks = build_model_chunks(model, ctx, value_head=True, recompute=critic.recompute_granularity)
-    if critic.init_from == "actor":
-        init_critic_from_actor(chunks, actor_chunks)
     counts = freeze_for_critic(chunks, critic.trainable)  # before DDP: frozen params get no grad/optim state
     counts |= {k: v for k, v in count_parameters(chunks).items() if k == "total"}
     # The critic takes K optimizer steps per actor step (and value pretraining steps).

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
@@ -19,24 +22,13 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
 from sao_megatron.config.schema import OptimizerConfig
+from sao_megatron.errors import SaoError
 from sao_megatron.training.forward import LossFn, MicroBatch, forward_backward
 
 if TYPE_CHECKING:
-    from sao_megatron.training.distributed import ParallelContext
+    from sao_megatron.parallel.bootstrap import ParallelContext
 
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class StepResult:
-    """Outcome of one optimizer step."""
-
-    metrics: list[dict[str, torch.Tensor]]
-    """loss_fn metrics per micro-batch (last pipeline stage; [] elsewhere)."""
-    update_successful: bool
-    """False when the step was skipped (non-finite gradients with fp16 loss scaling)."""
-    grad_norm: float | None
-    """Global gradient norm before clipping."""
-    lr: float
-    """Learning rate used for this step."""
+log = logging.getLogger(__name__)
 
 
 def megatron_optimizer_config(opt: OptimizerConfig, params_dtype: torch.dtype,
@@ -101,16 +93,81 @@ def zero_grads(ddp_chunks: Sequence[DistributedDataParallel], optimizer) -> None
     optimizer.zero_grad()
 
 
-def train_step(ddp_chunks: Sequence[DistributedDataParallel], optimizer, scheduler: OptimizerParamScheduler,
-               microbatches: Sequence[MicroBatch], loss_fn: LossFn, *, ctx: ParallelContext) -> StepResult:
-    """Zero grads, forward/backward all micro-batches, clip, step optimizer and LR schedule."""
+@dataclasses.dataclass(kw_only=True, slots=True)
+class UpdateResult:
+    """What one optimizer step did."""
+
+    applied: bool
+    """False when the step was skipped (non-finite loss or gradients, or a loss-scaler skip)."""
+    loss: float
+    """Global objective value (summed over micro-batches and DP ranks); NaN when the loss was not finite."""
+    grad_norm: float | None
+    """Gradient norm before clipping (None when skipped)."""
+    lr: float
+    """Learning rate of this step."""
+    outputs: list[dict[str, torch.Tensor]]
+    """loss_fn outputs per micro-batch on the last pipeline stage ([] elsewhere)."""
+    scaler_skip: bool = False
+    """fp16 only: the dynamic loss scaler found inf/NaN gradients at a finite loss and lowered the
+    scale. Expected during warm-up by design, so not counted as a non-finite step."""
+
+
+def uses_loss_scaler(optimizer) -> bool:
+    """True for fp16 optimizers (a constant or dynamic grad scaler skips steps on overflow)."""
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(getattr(o, "grad_scaler", None) is not None for o in parts)
+
+
+def optimizer_step(ddp_chunks: Sequence[DistributedDataParallel], optimizer, scheduler, microbatches: Sequence[MicroBatch],
+                   loss_fn: LossFn, *, ctx: ParallelContext) -> UpdateResult:
+    """The one training step: zero grads, forward/backward every micro-batch, clip, step the optimizer
+    and (when applied) the LR schedule. Skipped on every rank if any rank saw a non-finite loss.
+
+    Used by the RL update, value pretraining, the supervised warm-up and ``models smoke``.
+    """
     for chunk in ddp_chunks:
         chunk.train()
     zero_grads(ddp_chunks, optimizer)
-    metrics = forward_backward(ddp_chunks, microbatches, loss_fn, ctx=ctx)
-    lr = optimizer.param_groups[0]["lr"]
+    outputs = forward_backward(ddp_chunks, microbatches, loss_fn, ctx=ctx)
+    local = sum(float(o["loss"]) for o in outputs) if outputs else 0.0
+    finite = math.isfinite(local)
+    # On ctx.device: NCCL reduces device tensors only.
+    stat = torch.tensor([local if finite else 0.0, 0.0 if finite else 1.0], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(stat)  # loss contributions come from last-stage ranks only; TP ranks repeat them
+    total, bad = float(stat[0]) / max(ctx.tp_size, 1), float(stat[1]) > 0
+    lr = float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else 0.0
+    if bad:
+        zero_grads(ddp_chunks, optimizer)
+        return UpdateResult(applied=False, loss=float("nan"), grad_norm=None, lr=lr, outputs=outputs)
     ok, grad_norm, _ = optimizer.step()
+    scaler_skip = not ok and uses_loss_scaler(optimizer)
+    if ok and grad_norm is not None and not math.isfinite(float(grad_norm)):
+        ok = False
     if ok:
         scheduler.step(increment=1)
-    return StepResult(metrics=metrics, update_successful=bool(ok), lr=float(lr),
-                      grad_norm=None if grad_norm is None else float(grad_norm))
+    return UpdateResult(applied=bool(ok), loss=total, lr=lr, outputs=outputs, scaler_skip=scaler_skip,
+                        grad_norm=None if grad_norm is None else float(grad_norm))
+
+
+class NonFiniteGuard:
+    """Counts consecutive steps skipped for non-finite losses/gradients (not loss-scaler skips)."""
+
+    def __init__(self, max_steps: int, streak: int = 0):
+        self.max_steps, self.streak = max_steps, streak
+
+    def record(self, result: UpdateResult, step: int) -> None:
+        """NonFiniteLossError once ``max_steps`` consecutive steps were non-finite."""
+        if result.applied or result.scaler_skip:
+            if result.scaler_skip:
+                log.info("step %d: fp16 loss scaler skipped the update (overflow; scale lowered)", step)
+            self.streak = 0
+            return
+        self.streak += 1
+        log.warning("step %d: non-finite loss or gradients, update skipped (%d in a row)", step, self.streak)
+        if self.streak >= self.max_steps:
+            raise NonFiniteLossError(f"{self.streak} consecutive steps had non-finite losses/gradients; lower "
+                                     "the learning rate or check rewards/log-probs (run.max_nan_steps)")
+
+
+class NonFiniteLossError(SaoError):
+    """Too many consecutive steps had a non-finite loss."""

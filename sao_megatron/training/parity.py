@@ -14,61 +14,68 @@ import json
 import logging
 import pathlib
 import random
+from typing import TYPE_CHECKING
 
 import torch
 
+from sao_megatron.config import ModelConfig
 from sao_megatron.config.cli import add_config_args
 from sao_megatron.errors import SaoError
+
+if TYPE_CHECKING:
+    from sao_megatron.training.components import Components
 
 log = logging.getLogger(__name__)
 
 
-def measure_parity(trainer, *, num_prompts: int, max_new_tokens: int, temperature: float,
+def measure_parity(c: Components, model: ModelConfig, run_dir: pathlib.Path, *, num_prompts: int,
+                   max_new_tokens: int, temperature: float, seed: int,
                    engine_urls: list[str] | None = None) -> dict[str, float]:
     """Collective over the trainer's world; returns the gap statistics (on every rank)."""
+    from sao_megatron.models.families.hf_config import write_hf_template
+    from sao_megatron.parallel.collectives import broadcast_object, rank0_call
     from sao_megatron.rollout.types import SamplingParams
-    from sao_megatron.training.collectives import broadcast_object, rank0_call
+    from sao_megatron.training.components import drain, export_weights
     from sao_megatron.training.forward import compute_logprobs
-    from sao_megatron.training.rollout_side import write_hf_template
 
-    out_dir = trainer.run_dir / "parity_weights"
-    gen = trainer._export()
+    out_dir = run_dir / "parity_weights"
+    gen = export_weights(c)
 
     def write() -> None:
         from sao_megatron.rollout.weight_sync import write_hf_safetensors
 
         try:
-            template = write_hf_template(trainer.cfg.model, trainer.task, trainer.run_dir / "hf_template")
+            template = write_hf_template(model, getattr(c.task, "tokenizer", None), run_dir / "hf_template")
             write_hf_safetensors(gen, out_dir, template_dir=template)
         finally:
-            trainer._drain(gen)
+            drain(gen)
 
-    rank0_call(write, others=lambda: trainer._drain(gen))
+    rank0_call(write, others=lambda: drain(gen))
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True,
-                              sampling_seed=trainer.cfg.run.seed)
-    pairs = rank0_call(lambda: _generate(trainer, out_dir, sampling, num_prompts, engine_urls))
+                              sampling_seed=seed)
+    pairs = rank0_call(lambda: _generate(c.task, out_dir, run_dir, sampling, num_prompts, seed, engine_urls))
     pairs = broadcast_object(pairs)
     width = max(len(p) + len(o) for p, o, _ in pairs)
-    width = -(-width // trainer.ctx.tp_size) * trainer.ctx.tp_size
+    width = -(-width // c.ctx.tp_size) * c.ctx.tp_size
     tokens = torch.zeros(len(pairs), width, dtype=torch.long)
     for i, (p, o, _) in enumerate(pairs):
         tokens[i, :len(p) + len(o)] = torch.tensor(p + o)
-    lp = compute_logprobs(trainer.actor.chunks, [{"tokens": tokens}], ctx=trainer.ctx,
-                          vocab_size=trainer.cfg.model.vocab_size, temperature=temperature)[0]
+    lp = compute_logprobs(c.actor.chunks, [{"tokens": tokens.to(c.ctx.device)}], ctx=c.ctx,
+                          vocab_size=model.vocab_size, temperature=temperature)[0].cpu()
     gaps = torch.cat([(lp[i, len(p):len(p) + len(o)] - torch.tensor(e, dtype=lp.dtype)).abs()
                       for i, (p, o, e) in enumerate(pairs)])
     return {"parity/mean_abs": float(gaps.mean()), "parity/max_abs": float(gaps.max()),
             "parity/num_tokens": float(gaps.numel())}
 
 
-def _generate(trainer, model_dir, sampling, num_prompts, engine_urls):
+def _generate(task, model_dir, run_dir, sampling, num_prompts, seed, engine_urls):
     from sao_megatron.rollout.client import RolloutClient
     from sao_megatron.rollout.launch import LocalEngines
     from sao_megatron.training.async_bridge import AsyncBridge
 
-    prompts = trainer.task.prompts()
-    chosen = random.Random(trainer.cfg.run.seed).sample(prompts, min(num_prompts, len(prompts)))
-    engines = None if engine_urls else LocalEngines(model_dir, 1, log_dir=trainer.run_dir / "logs")
+    prompts = task.prompts()
+    chosen = random.Random(seed).sample(prompts, min(num_prompts, len(prompts)))
+    engines = None if engine_urls else LocalEngines(model_dir, 1, log_dir=run_dir / "logs")
     bridge = AsyncBridge()
     try:
         urls = engine_urls or engines.start()
@@ -107,16 +114,20 @@ def _run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from sao_megatron.config import load_config
-    from sao_megatron.training.trainer import Trainer
+    from sao_megatron.parallel.bootstrap import destroy
+    from sao_megatron.training.components import build_components, initial_weights
 
     cfg = load_config(args.config, ["run.sft_steps=0", *args.overrides])
-    trainer = Trainer(cfg, pathlib.Path(args.run_dir), resume="never")
+    run_dir = pathlib.Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    c = build_components(cfg, with_critic=False)  # the gate needs the policy only
     try:
-        trainer._initial_weights()
-        stats = measure_parity(trainer, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, engine_urls=args.engine_url)
+        initial_weights(c, cfg)
+        stats = measure_parity(c, cfg.model, run_dir, num_prompts=args.num_prompts, seed=cfg.run.seed,
+                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               engine_urls=args.engine_url)
     finally:
-        trainer.close()
+        destroy()
     if dist.get_rank() == 0:
         (pathlib.Path(args.run_dir) / "parity.json").write_text(json.dumps(stats, indent=2))
         log.info("log-prob parity over %d tokens: mean |Δ| %.3g, max |Δ| %.3g (tol %.3g)",

@@ -9,7 +9,6 @@ reward computation continue while the actor trains.
 
 from __future__ import annotations
 
-import json
 import logging
 import pathlib
 import shutil
@@ -19,11 +18,12 @@ from typing import Any
 
 import torch
 
-from sao_megatron.config import DataConfig, ModelConfig, RolloutConfig, SchedulerConfig
-from sao_megatron.errors import SaoError
+from sao_megatron.config import DataConfig, ExperimentConfig, RolloutConfig, SchedulerConfig
 from sao_megatron.envs.base import Task
-from sao_megatron.models.families import hf_config_from_model
+from sao_megatron.errors import SaoError
+from sao_megatron.models.families.hf_config import write_hf_template
 from sao_megatron.rollout.client import RolloutClient
+from sao_megatron.rollout.health import wait_healthy
 from sao_megatron.rollout.launch import LocalEngines, SGLangRouterProcess
 from sao_megatron.rollout.weight_sync import write_hf_safetensors
 from sao_megatron.scheduler.sample import Sample
@@ -38,51 +38,38 @@ class EngineStartError(SaoError):
     """The rollout engines could not be reached or started; nothing was trained."""
 
 
-def write_hf_template(model_cfg: ModelConfig, task: Task, out_dir: pathlib.Path) -> pathlib.Path:
-    """config.json (+ tokenizer files) that make an exported weight dir a loadable HF model."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf = hf_config_from_model(model_cfg)
-    tok = getattr(task, "tokenizer", None)
-    if tok is not None:
-        hf.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-        tok.save_hf_tokenizer(out_dir)
-    (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
-    return out_dir
-
-
 def check_reachable(rollout: RolloutConfig) -> None:
     """Before any training: every configured SGLang server (and router) answers /health within
     ``rollout.startup_timeout_s`` (servers launched beside the trainer may still be loading)."""
-    import httpx
-
     if rollout.engine != "sglang":
         return
     if not rollout.engine_urls:
         raise EngineStartError("rollout.engine=sglang needs rollout.engine_urls (one URL per SGLang server)")
-    headers = {"Authorization": f"Bearer {rollout.api_key}"} if rollout.api_key else {}
-    deadline = time.monotonic() + rollout.startup_timeout_s
-    for url in [*rollout.engine_urls, *([rollout.router_url] if rollout.router_url else [])]:
-        while True:
-            try:
-                reply = httpx.get(f"{url.rstrip('/')}/health", timeout=10.0, headers=headers)
-                problem = None if reply.status_code == 200 else f"HTTP {reply.status_code}: {reply.text[:200]}"
-            except httpx.HTTPError as exc:
-                problem = f"unreachable ({type(exc).__name__}: {exc})"
-            if problem is None:
-                break
-            if time.monotonic() > deadline:
-                raise EngineStartError(f"rollout engine {url} is {problem} after {rollout.startup_timeout_s:.0f} s; "
-                                       "start the SGLang servers first or fix rollout.engine_urls / router_url")
-            time.sleep(2.0)
+    urls = [*rollout.engine_urls, *([rollout.router_url] if rollout.router_url else [])]
+    try:
+        wait_healthy(urls, timeout_s=rollout.startup_timeout_s, what="rollout engine", api_key=rollout.api_key,
+                     interval_s=2.0)
+    except TimeoutError as exc:
+        raise EngineStartError(f"{exc}: start the SGLang servers first or fix rollout.engine_urls / "
+                               "router_url") from exc
+
+
+def build_rollout_side(cfg: ExperimentConfig, task: Task, *, mode: str, run_dir: pathlib.Path) -> RolloutSide:
+    """Rank 0's rollout side from the rollout/scheduler/data sections (``mode``: the resolved
+    scheduler mode; groups of ``algorithm.group_size`` unless single)."""
+    template = write_hf_template(cfg.model, getattr(task, "tokenizer", None), run_dir / "hf_template")
+    group = cfg.algorithm.group_size if mode != "single" else 1
+    return RolloutSide(rollout=cfg.rollout, scheduler=cfg.scheduler, data=cfg.data, task=task, mode=mode,
+                       group_size=group, run_dir=run_dir, template_dir=template)
 
 
 class RolloutSide:
     """Owns engines, client and scheduler on trainer rank 0."""
 
     def __init__(self, *, rollout: RolloutConfig, scheduler: SchedulerConfig, data: DataConfig, task: Task,
-                 group_size: int, run_dir: pathlib.Path, template_dir: pathlib.Path):
+                 mode: str, group_size: int, run_dir: pathlib.Path, template_dir: pathlib.Path):
         self.cfg, self.sched_cfg, self.data_cfg, self.task = rollout, scheduler, data, task
-        self.group_size = group_size
+        self.mode, self.group_size = mode, group_size
         self.run_dir, self.template_dir = run_dir, template_dir
         self.weights_root = run_dir / "weights"
         self.bridge = AsyncBridge()
@@ -112,7 +99,7 @@ class RolloutSide:
             self.bridge.run(self.client.update_weights_from_disk(str(model_dir), weight_version=version))
         self.scheduler = AsyncScheduler.from_config(
             self.client, self.task, self.sched_cfg, self.data_cfg, self.cfg, group_size=self.group_size,
-            version=version)
+            version=version, mode=self.mode)
         if scheduler_state is not None:
             self.scheduler.load_state_dict(scheduler_state)
         self.bridge.run(self.scheduler.start())

@@ -1,4 +1,4 @@
-"""Atomic, keep-last-N checkpoint directories and RNG state capture.
+"""Run state that survives restarts: atomic keep-last-N checkpoints, RNG capture, the sample audit.
 
 Layout: ``RUN_DIR/checkpoints/step_00000010/`` holds ``actor/``, ``critic/``
 (Megatron dist checkpoints), ``trainer_state.json`` (version, cursors, the
@@ -115,3 +115,105 @@ def restore_rng(state: dict[str, Any]) -> None:
         from megatron.core import tensor_parallel
 
         tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+
+
+class RunState:
+    """Everything that survives a restart: checkpoints (models, optimizers, LR schedules, trainer
+    state, RNG) and the audit of trained samples. Collective methods run on every rank."""
+
+    def __init__(self, run_dir: pathlib.Path, *, keep_last: int, rank0: bool, offload: bool = False):
+        self.run_dir, self.rank0, self.offload = run_dir, rank0, offload
+        self.ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=keep_last)
+        self.audit_path = run_dir / "audit.jsonl"
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int, models: dict[str, Any], trainer_state: dict[str, Any]) -> None:
+        """Collective: each model (name -> TrainedModel or None) with its optimizer and LR schedule,
+        the trainer state and every rank's RNG, published atomically as ``step_N``."""
+        import torch.distributed as dist
+
+        from sao_megatron.training.checkpoint import save_checkpoint
+        from sao_megatron.training.offload import resident
+
+        part = self.ckpt.partial_dir(step)
+        if self.rank0:
+            self.ckpt.begin(step)
+        dist.barrier()
+        state = dict(trainer_state)
+        for name, model in models.items():
+            if model is None:
+                continue
+            with resident(model, offload=self.offload):
+                save_checkpoint(part / name, model.chunks, model.optimizer)
+            state[f"{name}_lr"] = model.scheduler.state_dict()
+        (part / "rng").mkdir(exist_ok=True)
+        torch.save(capture_rng(), part / "rng" / f"rank_{dist.get_rank()}.pt")
+        if self.rank0:
+            write_json_atomic(part / "trainer_state.json", state)
+        dist.barrier()
+        if self.rank0:
+            self.ckpt.commit(step)
+            log.info("checkpoint step %d -> %s", step, self.ckpt.final_dir(step))
+        dist.barrier()
+
+    def restore(self, path: pathlib.Path, models: dict[str, Any]) -> dict[str, Any]:
+        """Collective: load ``models`` (+ optimizers, LR schedules) and this rank's RNG from ``path``;
+        returns the trainer state and drops audit lines of the steps rolled back."""
+        import torch.distributed as dist
+
+        from sao_megatron.training.checkpoint import load_checkpoint
+
+        state = json.loads((path / "trainer_state.json").read_text())
+        for name, model in models.items():
+            if model is not None:
+                load_checkpoint(path / name, model.chunks, model.optimizer)
+                model.scheduler.load_state_dict(state[f"{name}_lr"])
+        rng = path / "rng" / f"rank_{dist.get_rank()}.pt"
+        if rng.is_file():  # absent when resuming at another world size
+            restore_rng(torch.load(rng, weights_only=False))
+        if self.rank0:
+            self.truncate_audit(state["step"])
+            log.info("resumed from %s (step %d, version %d)", path, state["step"], state["version"])
+        return state
+
+    def resume_path(self, resume: str | None, load: str | None) -> pathlib.Path | None:
+        """The checkpoint to start from: ``auto`` (newest of this run, else ``checkpoint.load``),
+        ``never`` (refuses a run directory that already holds checkpoints) or an explicit path."""
+        if resume in ("never", "", None):
+            if self.ckpt.latest() is not None:
+                raise ValueError(f"{self.run_dir} already holds checkpoints; pass --resume auto to continue "
+                                 "or choose a fresh --run-dir")
+            return _checked(load)
+        if resume == "auto":
+            return self.ckpt.latest() or _checked(load)
+        return _checked(resume)
+
+    # ------------------------------------------------------------------ audit
+    def audit(self, samples: list[Any], *, step: int, version: int, phase: str) -> None:
+        """RUN_DIR/audit.jsonl: one line per trained sample (exactly-once checks, staleness audit).
+
+        ``version`` is the trainer version the sample was trained at; lines of steps after the
+        last checkpoint are dropped on resume (those samples are trained again)."""
+        if not self.rank0:
+            return
+        with self.audit_path.open("a") as f:
+            for s in samples:
+                f.write(json.dumps({"step": step, "version": version, "phase": phase, "index": s.index,
+                                    "epoch": s.epoch, "attempt": s.attempt, "group_id": s.group_id,
+                                    "oldest_version": s.oldest_version(), "reward": s.reward}) + "\n")
+
+    def truncate_audit(self, step: int) -> None:
+        """Drop audit lines of steps at or after ``step`` (a fresh start: every line)."""
+        if self.audit_path.is_file():
+            keep = [ln for ln in self.audit_path.read_text().splitlines() if ln and json.loads(ln)["step"] < step]
+            self.audit_path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _checked(path: str | None) -> pathlib.Path | None:
+    if path is None:
+        return None
+    p = pathlib.Path(path)
+    if not (p / "trainer_state.json").is_file():
+        raise ValueError(f"{p} is not a sao-megatron checkpoint (no trainer_state.json); pass a "
+                         "RUN_DIR/checkpoints/step_N directory")
+    return p

@@ -1,8 +1,8 @@
-"""Per-step metrics from the trained tokens (policy, critic) and the batch itself.
+"""Per-step metrics of the critic's fit and of the batch itself.
 
-Policy and critic metrics are computed over this rank's action tokens by the
-same functions that define the losses (``algorithms``), then combined across
-ranks by ``collectives.gather_metrics`` (token-weighted).
+The policy metrics are the loss's own (``rl_step.policy_metrics``); the critic's fit is
+measured on its values before the K updates against the GAE returns, over this rank's
+action tokens, then combined across ranks by ``parallel.collectives.gather_metrics``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ from typing import Any
 
 import torch
 
-from sao_megatron.algorithms import losses as loss_lib
 from sao_megatron.algorithms import metrics as metric_lib
-from sao_megatron.config import AlgorithmConfig
 from sao_megatron.scheduler.sample import Sample
 
 
@@ -25,21 +23,6 @@ def _masked(batch, key: str, outputs=None, out_key: str | None = None) -> torch.
         src = outputs[i][out_key] if outputs is not None else mb[key]
         parts.append(src[mb["action_mask"] > 0].float())
     return torch.cat(parts)[None] if parts else torch.zeros(1, 0)
-
-
-def policy_metrics(batch, outputs, alg: AlgorithmConfig) -> dict[str, float]:
-    """DIS band statistics (masked fractions, ratio, KL k1/k3, ESS), advantages and entropy."""
-    lp = _masked(batch, "", outputs, "logprobs")
-    rollout = _masked(batch, "rollout_logprobs")
-    adv = _masked(batch, "advantages")
-    ones = torch.ones_like(lp)
-    n = lp.shape[1]
-    _, m = loss_lib.dis_policy_loss(lp, rollout, adv, ones, eps_low=alg.eps_low, eps_high=alg.eps_high,
-                                    num_tokens=max(n, 1))
-    out = {k: float(v) for k, v in m.items()}
-    out |= {k: float(v) for k, v in metric_lib.advantage_stats(adv, ones).items()}
-    out["actor/entropy"] = float(sum(float(o["entropy_sum"]) for o in outputs)) * batch.num_tokens / max(n, 1)
-    return out
 
 
 def value_metrics(batch, critic_results) -> dict[str, float]:

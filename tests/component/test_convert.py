@@ -134,6 +134,15 @@ def test_parity_and_export_at_tp2ep2_and_pp2(layouts, name):
     assert_bit_exact(base / "hf", base / "hf_pp2")
 
 
+def test_import_and_export_with_expert_tp1_under_tp2(layouts):
+    """Expert-TP 1 inside TP 2 (as every shipped GPU layout): routed experts whole, shared experts TP-sharded."""
+    work, report = layouts
+    from layouts import ETP_SHAPE
+
+    assert report[ETP_SHAPE]["import_tp2ep2etp1_then_pp2"] <= TOL, report[ETP_SHAPE]
+    assert_bit_exact(work / ETP_SHAPE / "hf", work / ETP_SHAPE / "hf_tp2ep2etp1")
+
+
 def test_cli_dry_run_prints_the_mapping_and_writes_nothing(converted, tmp_path, capsys):
     from sao_megatron.cli import main
 

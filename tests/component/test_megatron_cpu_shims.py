@@ -20,7 +20,7 @@ MULTI_RANK = ["alltoall_splits", "uneven_allgather"]  # need EP > 1 / expert-TP 
 def test_other_megatron_versions_are_refused_with_the_fix(monkeypatch):
     from megatron.core import package_info
 
-    from sao_megatron.models import cpu_support
+    from sao_megatron.parallel import cpu_support
 
     monkeypatch.setattr(package_info, "__version__", "0.20.0")
     with pytest.raises(cpu_support.MegatronVersionError) as err:
@@ -30,7 +30,7 @@ def test_other_megatron_versions_are_refused_with_the_fix(monkeypatch):
 
 
 def test_installed_version_is_supported():
-    from sao_megatron.models import cpu_support
+    from sao_megatron.parallel import cpu_support
 
     cpu_support.check_megatron_version()
 
@@ -38,7 +38,7 @@ def test_installed_version_is_supported():
 def test_unknown_shim_name_is_rejected_before_patching():
     import torch
 
-    from sao_megatron.models import cpu_support
+    from sao_megatron.parallel import cpu_support
 
     if torch.cuda.is_available():
         cpu_support.apply_cpu_shims(skip=["no_such_shim"])  # with a GPU nothing is patched at all
@@ -49,7 +49,7 @@ def test_unknown_shim_name_is_rejected_before_patching():
 
 
 def test_every_shim_says_what_breaks_without_it():
-    from sao_megatron.models import cpu_support
+    from sao_megatron.parallel import cpu_support
 
     assert set(cpu_support.SHIMS) == set(SINGLE_PROCESS + MULTI_RANK)
     for name, fn in cpu_support.SHIMS.items():

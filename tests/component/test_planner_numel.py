@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from sao_megatron.config import ModelConfig, ParallelConfig, load_config
-from sao_megatron.models.planner import GROUPS, Layout, count_params, padded_vocab_size, stage_params
+from sao_megatron.launch.planner import GROUPS, Layout, count_params, padded_vocab_size, stage_params
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -73,7 +73,7 @@ def build(model: ModelConfig, ctx, *, critic: bool):
 
 @pytest.fixture(scope="module")
 def single_rank_ctx():
-    from sao_megatron.training.distributed import destroy, init_distributed
+    from sao_megatron.parallel.bootstrap import destroy, init_distributed
 
     ctx = init_distributed(ParallelConfig(), seed=1, environ={})
     yield ctx
@@ -108,7 +108,7 @@ def test_padding_agrees_with_the_builder():
 
 def _worker(out_path: str) -> None:
     """torchrun entry: for every layout and model, this rank's numel per group vs ``stage_params``."""
-    from sao_megatron.training.distributed import destroy, init_distributed
+    from sao_megatron.parallel.bootstrap import destroy, init_distributed
 
     rows = []
     for lname, parallel in MP_LAYOUTS.items():

@@ -15,7 +15,7 @@ from sao_megatron.rollout import (
     RolloutClient,
     SamplingParams,
 )
-from sao_megatron.rollout.launch import free_port
+from sao_megatron.net import free_port
 
 pytestmark = pytest.mark.component
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from rollout_fixtures import broadcast_receiver, sync_tensors, tiny_dirs  # noqa: F401 - fixture
 
-from sao_megatron.rollout.launch import free_port
+from sao_megatron.net import free_port
 from sao_megatron.rollout.weight_sync import NcclWeightSync, write_hf_safetensors
 
 pytestmark = pytest.mark.component

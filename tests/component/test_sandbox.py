@@ -1,8 +1,10 @@
 """The code sandbox: no network, nothing readable outside its directory, resource limits.
 
-Both isolation levels are exercised: ``namespace`` (root here and in CI) and the unprivileged
-``audit`` fallback. Each "cannot" test also runs the same code outside the sandbox first, to
-prove that the resource really exists and is reachable (so the test can fail).
+Run by the test process itself: ``namespace`` (root here and in CI) and the ``audit`` fallback
+(accepted only with ``data.options.sandbox: unsafe``). The unprivileged ``userns`` mode, and
+the escapes that defeat ``audit``, are tested as a non-root user in
+``test_sandbox_unprivileged.py``. Each "cannot" test also runs the same code outside the sandbox
+first, to prove that the resource really exists and is reachable (so the test can fail).
 """
 
 from __future__ import annotations

@@ -37,12 +37,12 @@ def make_hf_dir(out: pathlib.Path, data_path: str) -> None:
 
     from sao_megatron.config import load_config
     from sao_megatron.envs import build_task
-    from sao_megatron.training.rollout_side import write_hf_template
+    from sao_megatron.models.families.hf_config import write_hf_template
 
     _tiny_tokenizer_module().build_tokenizer(out)
     cfg = load_config(CONFIG, [f"model.hf_dir={out}", "data.task=math", f"data.path={data_path}",
                                "data.max_prompt_tokens=24", "data.options={}"], check=False)
-    write_hf_template(cfg.model, build_task(cfg.data, model=cfg.model), out)
+    write_hf_template(cfg.model, getattr(build_task(cfg.data, model=cfg.model), "tokenizer", None), out)
     config_text = (out / "config.json").read_text()
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out)).save_pretrained(out, safe_serialization=True)

@@ -71,3 +71,17 @@ def test_empty_dataset_is_refused(tmp_path):
                            str(tmp_path / "run"), "--set", f"data.path={empty}"], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and "empty" in proc.stderr.strip().splitlines()[-1].lower()
+
+
+def test_grpo_clip_bites_only_with_several_steps_per_batch(tmp_path):
+    """Issue 16: with one optimizer step per batch GRPO's old log-probs equal the current ones
+    (ratio 1, no clip: plain REINFORCE); PPO-style epochs x mini-batches make the clip real."""
+    out = tmp_path / "ppo.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "e2e" / "mp_scripts" / "ppo_epochs.py"), str(CONFIG),
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    result = json.loads(out.read_text())
+    single, epochs = result["single"], result["epochs"]
+    assert single["applied"] and epochs["applied"]
+    assert single["clip_frac"] == 0.0 and single["lr_steps"] == 1
+    assert epochs["clip_frac"] > 0.0 and epochs["lr_steps"] == 4  # 2 epochs x 2 mini-batches

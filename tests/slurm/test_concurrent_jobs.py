@@ -1,4 +1,4 @@
-"""Two jobs on the same nodes at once: each owns its block of ports (launch/plan.py), nothing collides."""
+"""Two jobs on the same nodes at once: each owns its block of ports (launch/layout.py), nothing collides."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from sao_megatron.launch.plan import PORTS_PER_JOB, port_base
+from sao_megatron.launch.layout import PORTS_PER_JOB, port_base
 from slurm_helpers import (FINAL_STATES, assert_run_complete, job_info, job_nodes, submit_sbatch, wait_for,
                            wait_for_state, write_tiny_config)
 from sockets import SocketMonitor, loopback_uses

@@ -229,3 +229,114 @@ def test_no_print_outside_cli_modules():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
                 bad.append(f"{rel(path)}:{node.lineno}")
     assert not bad, "use logging.getLogger(__name__) instead of print in the library:\n" + "\n".join(bad)
+
+
+# ---------------------------------------------------------------- 6. floors: imports only point down
+
+# Lowest first. A module may import its own package and packages on lower floors only. Every
+# import counts: module level, inside functions (lazy) and under TYPE_CHECKING (a type-only
+# import still couples the layers). cli.py dispatches verbs by module-name strings at runtime,
+# so statically it sits just above config.
+FLOORS = [
+    {"errors", "net", "algorithms"},
+    {"config"},
+    {"cli", "parallel"},
+    {"models", "envs", "rollout"},
+    {"scheduler"},
+    {"training"},
+    {"launch"},
+]
+
+
+def floor_of(package: str) -> int:
+    for i, floor in enumerate(FLOORS):
+        if package in floor:
+            return i
+    raise AssertionError(f"sao_megatron.{package} is on no floor: add it to FLOORS in {__file__}")
+
+
+def package_of(path: pathlib.Path) -> str:
+    return path.relative_to(LIB).with_suffix("").parts[0]
+
+
+def floor_violations(files: list[pathlib.Path]) -> list[str]:
+    bad = []
+    for path in files:
+        own = package_of(path)
+        if own == "__init__":
+            continue
+        for line, mod in imported_modules(parse(path)) + dynamic_imports(parse(path)):
+            parts = mod.split(".")
+            if parts[0] != "sao_megatron" or len(parts) < 2 or parts[1] == own:
+                continue
+            if floor_of(parts[1]) >= floor_of(own):
+                bad.append(f"{rel(path)}:{line} imports {mod} (floor {floor_of(parts[1])} from floor {floor_of(own)})")
+    return bad
+
+
+def test_every_package_is_on_a_floor():
+    for path in lib_files():
+        if package_of(path) != "__init__":
+            floor_of(package_of(path))
+
+
+def test_imports_only_point_down_the_floors():
+    bad = floor_violations(lib_files())
+    assert not bad, "an import runs up (or sideways) the floors of FLOORS:\n" + "\n".join(bad)
+
+
+def test_floor_check_catches_an_upward_type_checking_import(monkeypatch):
+    fake = LIB / "models" / "__floor_probe__.py"
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+              "    from sao_megatron.training.batch import LocalBatch\n")
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self, *a, **k: source)
+    found = floor_violations([fake])
+    assert found and found[0] == f"{rel(fake)}:3 imports sao_megatron.training.batch (floor 5 from floor 3)"
+
+
+# ---------------------------------------------------------------- 7. every config field is read
+
+# Fields read only through a name table (Megatron's own field names copied by name) count as read
+# when the name appears as a string in the library; others must appear as an attribute access.
+_SCHEMA = LIB / "config" / "schema.py"
+
+
+def library_reads() -> set[str]:
+    """Attribute names accessed and string constants used anywhere in the library, except the
+    schema itself (a field's own definition and docstring are not a use of it)."""
+    names: set[str] = set()
+    for path in lib_files():
+        if path == _SCHEMA:
+            continue
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Attribute):
+                names.add(node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names.add(node.value)
+            elif isinstance(node, ast.keyword) and node.arg:
+                names.add(node.arg)
+    return names
+
+
+def unread_fields(reads: set[str]) -> list[str]:
+    from sao_megatron.config import schema
+
+    missing = []
+    for cls in vars(schema).values():
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+            missing += [f"{cls.__name__}.{f.name}" for f in dataclasses.fields(cls) if f.name not in reads]
+    return missing
+
+
+def test_every_config_field_is_read_by_the_library():
+    """A setting accepted but read by nothing is a defect: act on it or refuse it in validation."""
+    missing = unread_fields(library_reads())
+    assert not missing, "config fields no library code reads (act on them, or refuse them in "\
+                        "config/validate.py with the reason):\n" + "\n".join(missing)
+
+
+def test_unread_field_detector_catches_a_field_nothing_reads():
+    reads = library_reads()
+    assert "num_layers" in reads and "weight_sync_bucket_mb" in reads
+    reads.discard("weight_sync_bucket_mb")
+    assert unread_fields(reads) == ["RolloutConfig.weight_sync_bucket_mb"]

@@ -9,7 +9,7 @@ import pytest
 
 from sao_megatron.launch import network
 from sao_megatron.launch import node as nd
-from sao_megatron.launch.plan import LaunchPlan
+from sao_megatron.launch.layout import LaunchPlan
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from sao_megatron.launch import node as nd
-from sao_megatron.launch import plan as lp
-from sao_megatron.launch.plan import LaunchPlan
+from sao_megatron.launch import layout as lp
+from sao_megatron.launch.layout import LaunchPlan
 
 pytestmark = pytest.mark.unit
 

@@ -9,9 +9,9 @@ import subprocess
 import pytest
 
 from sao_megatron.config import ExperimentConfig, apply_overrides, from_dict
-from sao_megatron.launch import plan as lp
+from sao_megatron.launch import layout as lp
 from sao_megatron.launch.cli import parse_time_min
-from sao_megatron.launch.plan import LaunchPlan
+from sao_megatron.launch.layout import LaunchPlan
 
 pytestmark = pytest.mark.unit
 

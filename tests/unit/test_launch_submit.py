@@ -10,7 +10,7 @@ import pytest
 from sao_megatron.config import ConfigError
 from sao_megatron.launch import engine_init
 from sao_megatron.launch import submit as sb
-from sao_megatron.launch.plan import LaunchPlan
+from sao_megatron.launch.layout import LaunchPlan
 from sao_megatron.launch.slurm_query import Partition, check_nodes_fit
 
 pytestmark = pytest.mark.unit

@@ -173,9 +173,9 @@ def test_ppo_clip_matches_reference(dual_clip):
             float(logp.detach()[b, t]), float(old[b, t]), float(adv[b, t]), 0.2, 0.28, dual_clip)
     torch.testing.assert_close(loss.detach(), per_token.sum() / 50, **TOL)
     torch.testing.assert_close(logp.grad, grads / 50, **TOL)
-    assert metrics["actor/pg_clipfrac"].item() == pytest.approx(float(clipped.sum() / mask.sum()))
+    assert metrics["actor/clip_frac"].item() == pytest.approx(float(clipped.sum() / mask.sum()))
     if dual_clip is not None:
-        assert metrics["actor/pg_clipfrac_dual"].item() > 0
+        assert metrics["actor/clip_frac_dual"].item() > 0
 
 
 def test_ppo_is_finite_for_huge_gaps_and_nan_padding():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sao_megatron.config.schema import ParallelConfig
-from sao_megatron.training.distributed import (
+from sao_megatron.parallel.bootstrap import (
     check_world_size,
     expand_first_host,
     first_slurm_host,

@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 from sao_megatron.config import ExperimentConfig, ModelConfig, load_config
-from sao_megatron.models import planner as P
+from sao_megatron.launch import planner as P
 
 pytestmark = pytest.mark.unit
 

@@ -553,7 +553,7 @@ def test_reward_phases_switch_target_at_the_given_version():
 
     async def run():
         c = FakeClient(script=lambda ids: TOK.encode(answers[tuple(ids)]) + [TOK.eos_id])  # always the plain answer
-        s = AsyncScheduler.from_config(c, task, SchedulerConfig(batch_size=4, concurrency=4, max_staleness=0),
+        s = AsyncScheduler.from_config(c, task, SchedulerConfig(mode="single", batch_size=4, concurrency=4, max_staleness=0),
                                        data, RolloutConfig(max_new_tokens=8))
         await s.start()
         out = []

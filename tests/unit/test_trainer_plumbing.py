@@ -144,7 +144,7 @@ def test_tensorboard_and_wandb_offline_sinks(tmp_path, monkeypatch):
 
 def test_token_ids_outside_the_vocabulary_stop_the_update():
     from sao_megatron.errors import SaoError
-    from sao_megatron.training.rl_step import check_token_ids
+    from sao_megatron.training.batch import check_token_ids
 
     check_token_ids(torch.tensor([[0, 5, 99]]), vocab_size=100)
     check_token_ids(torch.zeros(0, 3, dtype=torch.long), vocab_size=100)

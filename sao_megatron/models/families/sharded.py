@@ -5,6 +5,17 @@ Engine spec: layer indices come from each layer's global ``layer_number``,
 expert ids from the experts module's EP rank, the shard group from the
 owning linear layer's ``tp_group`` (TP, or expert-TP inside experts). Also
 loads HF tensors into such a model (each rank reads only what it holds).
+
+TE grouped experts (Megatron's TEGroupedMLP over TE's GroupedLinear) need
+their own reading. At EP>1 or expert-TP>1 Megatron hands TE
+``parallel_mode=None, tp_group=None`` (it does the expert communication
+itself), while the weights stay tagged ``tensor_model_parallel``: the shard
+group is the wrapper's expert-TP group (``_tp_group``), and the shard dim is
+the one Megatron's own checkpoint uses for the role (fc1 column-parallel: dim
+0, fc2 row-parallel: dim 1), never TE's ``partition_dim`` (0 for both when
+TE is told ``parallel_mode=None``). TE's single-parameter mode
+(``single_grouped_weight``) holds all local experts in one ``weight``
+[num_local_experts, out, in]; it is split into its per-expert views.
 """
 
 from __future__ import annotations
@@ -23,6 +34,10 @@ logger = logging.getLogger(__name__)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")  # TE grouped GEMM
+_GROUPED_PARAM = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d*)$")  # weight{i}, or TE's single `weight`
+# Shard dim of each grouped-expert GEMM's [out, in] weight under expert-TP, as Megatron's
+# TEColumnParallelGroupedLinear / TERowParallelGroupedLinear checkpoint it (tp_axis_map).
+_GROUPED_SHARD_DIM = {"linear_fc1": 0, "linear_fc2": 1}
 # TE fuses norms into the following linear layer; canonical names use the local-spec modules.
 _TE_ALIASES = {".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
                ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight"}
@@ -66,13 +81,34 @@ def local_tensors(model_chunks: list[torch.nn.Module], wmap: WeightMap) -> list[
     for chunk in map(unwrap, model_chunks):
         named = list(chunk.named_parameters()) + [(n, b) for n, b in chunk.named_buffers()
                                                   if n.endswith("router.expert_bias")]
-        for local_name, tensor in named:
-            name = canonical_name(chunk, local_name)
-            if name == "output_layer.weight" and not wmap.cfg.untie_embeddings_and_output_weights:
-                continue  # last-stage copy of the tied embedding
-            entry = wmap.entry(name)
-            out.append(_describe(chunk, local_name, name, tensor, entry.transform == GATE_UP))
+        for param_name, param in named:
+            for local_name, tensor in _per_gemm(chunk, param_name, param):
+                name = canonical_name(chunk, local_name)
+                if name == "output_layer.weight" and not wmap.cfg.untie_embeddings_and_output_weights:
+                    continue  # last-stage copy of the tied embedding
+                entry = wmap.entry(name)
+                out.append(_describe(chunk, local_name, name, tensor, entry.transform == GATE_UP))
     return out
+
+
+def _per_gemm(chunk: torch.nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``[(name, tensor)]``; TE's single grouped ``weight`` [G, out, in] -> ``[(...weight{i}, view_i)]``.
+
+    The views share the parameter's storage, so loading into them fills the parameter.
+    """
+    m = _GROUPED_PARAM.search(name)
+    if m is None or m.group(2):
+        return [(name, tensor)]
+    module = chunk.get_submodule(name.rsplit(".", 1)[0])
+    members = getattr(tensor, "quantized_tensors", None)
+    if members is None:  # TE's GroupedTensor bans select/split; its members are views of its storage
+        members = tensor.split_into_quantized_tensors() if hasattr(tensor, "split_into_quantized_tensors") \
+            else tensor.unbind(0)
+    if len(members) != module.num_gemms or any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in members):
+        raise ConversionError(f"'{name}': expected {module.num_gemms} unquantized expert weights in TE's single "
+                              "grouped weight; FP8/FP4 primary weights cannot be converted, build the model "
+                              "with high-precision parameters")
+    return [(f"{name}{i}", t) for i, t in enumerate(members)]
 
 
 def canonical_name(chunk: torch.nn.Module, local_name: str) -> str:
@@ -94,15 +130,19 @@ def canonical_name(chunk: torch.nn.Module, local_name: str) -> str:
 
 
 def _describe(chunk: torch.nn.Module, local_name: str, name: str, tensor: torch.Tensor, gated: bool) -> LocalTensor:
-    group = None
-    if getattr(tensor, "tensor_model_parallel", False):
-        module = chunk.get_submodule(local_name.rsplit(".", 1)[0])
-        group = getattr(module, "tp_group", None)
-        if group is None:
-            raise ConversionError(f"cannot find the tensor-parallel group of '{local_name}'")
-        if dist.get_world_size(group) == 1:
-            group = None
-    return LocalTensor(name, tensor, group, int(getattr(tensor, "partition_dim", 0)), gated)
+    grouped = _GROUPED_EXPERT.search(local_name)
+    if grouped is None and not getattr(tensor, "tensor_model_parallel", False):
+        return LocalTensor(name, tensor, None, 0, gated)
+    module = chunk.get_submodule(local_name.rsplit(".", 1)[0])
+    # Megatron's wrappers keep the group they shard over in `_tp_group` (the expert-TP group for
+    # experts); TE's own `tp_group` is None whenever Megatron does the expert communication.
+    group = getattr(module, "_tp_group", None)
+    group = getattr(module, "tp_group", None) if group is None else group
+    if group is None:
+        raise ConversionError(f"cannot find the tensor-parallel group of '{local_name}' "
+                              f"({type(module).__name__} has neither _tp_group nor tp_group)")
+    dim = _GROUPED_SHARD_DIM[grouped.group(1)] if grouped else int(getattr(tensor, "partition_dim", 0))
+    return LocalTensor(name, tensor, None if dist.get_world_size(group) == 1 else group, dim, gated)
 
 
 def take_shard(full: torch.Tensor, lt: LocalTensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ For each shape (HF dir + TP1 Megatron checkpoint already written by roundtrip.py
 - export (mcore-to-hf) at TP2xEP2 and at PP2 with tiny buckets (compared with the
   TP1 export and the original files by the test);
 - streaming export to *all* ranks at TP2xEP2: every rank's tensors equal the HF files;
-- hf-to-mcore straight at TP2xEP2 (sharded import), then parity of that checkpoint at PP2.
+- hf-to-mcore straight at TP2xEP2 (sharded import), then parity of that checkpoint at PP2;
+- for ETP_SHAPE, TP2xEP2 with expert-TP 1 (the shipped GPU layouts' shape): import then parity
+  at PP2, and export (compared with the original files by the test).
 Rank 0 writes a JSON report. Usage: torchrun --nproc-per-node 4 layouts.py WORK RESULT --shapes a,b
 """
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+
+ETP_SHAPE = "glm_gqa2_dense0_shared1"  # shared experts are TP-sharded, routed experts not: two groups
 
 
 def hf_files_equal_on_every_rank(hf_dir: pathlib.Path, mcore: pathlib.Path) -> bool:
@@ -71,6 +75,11 @@ def main() -> None:
         r["all_ranks_equal"] = hf_files_equal_on_every_rank(hf_dir, mcore)
         sharded = convert_hf_to_mcore(hf_dir, base / "mcore_tp2ep2", tp=2, ep=2, progress=False)
         r["import_tp2ep2_then_pp2"] = run_check(hf_dir, sharded, pp=2).max_abs_diff
+        if name == ETP_SHAPE:
+            etp1 = convert_hf_to_mcore(hf_dir, base / "mcore_tp2ep2etp1", tp=2, ep=2, etp=1, progress=False)
+            r["import_tp2ep2etp1_then_pp2"] = run_check(hf_dir, etp1, pp=2).max_abs_diff
+            convert_mcore_to_hf(mcore, base / "hf_tp2ep2etp1", hf_template=hf_dir, tp=2, ep=2, etp=1,
+                                bucket_bytes=20_000, progress=False)
     if dist.get_rank() == 0:
         args.result.write_text(json.dumps(report, indent=2))
 

@@ -33,9 +33,9 @@ from sao_megatron.models.actor import token_logprobs
 from sao_megatron.models.builder import build_model_chunks
 from sao_megatron.models.critic import freeze_for_critic, init_critic_from_actor, token_values
 from sao_megatron.training.checkpoint import load_checkpoint, save_checkpoint
-from sao_megatron.training.distributed import destroy, init_distributed
+from sao_megatron.parallel.bootstrap import destroy, init_distributed
 from sao_megatron.training.forward import forward_backward
-from sao_megatron.training.optim import setup_optimizer, train_step
+from sao_megatron.training.optim import setup_optimizer, optimizer_step
 
 MODEL = ModelConfig(
     family="glm4_moe", num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -113,8 +113,8 @@ def actor_losses(chunks, mbs, ctx) -> list[float]:
 def _train(ddp, opt, sched, mbs, loss_fn, ctx, steps: int = STEPS) -> list[float]:
     losses = []
     for _ in range(steps):
-        result = train_step(ddp, opt, sched, mbs, loss_fn, ctx=ctx)
-        losses.append(sum(float(m["loss"]) for m in result.metrics) * ctx.dp_size)
+        result = optimizer_step(ddp, opt, sched, mbs, loss_fn, ctx=ctx)
+        losses.append(sum(float(m["loss"]) for m in result.outputs) * ctx.dp_size)
     return broadcast_last_stage(losses if ctx.is_last_stage else None, ctx)
 
 

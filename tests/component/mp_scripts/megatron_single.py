@@ -16,16 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from sao_megatron.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
-from sao_megatron.models import cpu_support
+from sao_megatron.parallel import cpu_support
 from sao_megatron.models.actor import token_logprobs
 from sao_megatron.models.builder import build_model_chunks, padded_vocab_size
 from sao_megatron.models.critic import PARAM_GROUPS, freeze_for_critic, param_group, token_values
 from sao_megatron.training.checkpoint import load_checkpoint, save_checkpoint
-from sao_megatron.training.distributed import destroy, init_distributed
+from sao_megatron.parallel.bootstrap import destroy, init_distributed
 from sao_megatron.training.forward import compute_logprobs, compute_values
 from sao_megatron.training.models import TrainedModel
 from sao_megatron.training.offload import grad_buffer_bytes, park, resident
-from sao_megatron.training.optim import setup_optimizer, train_step
+from sao_megatron.training.optim import setup_optimizer, optimizer_step
 
 GLM = ModelConfig(
     family="glm4_moe", num_layers=3, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -113,8 +113,8 @@ def check_critic(actor, ctx, mbs, workdir: str, out: dict) -> None:
         loss = 0.5 * ((v - mb["returns"])[:, 1:] ** 2).sum() / num_tokens
         return loss, {"loss": loss.detach(), "raw": values.detach()}
 
-    res = train_step(ddp, opt, sched, mbs, loss_fn, ctx=ctx)
-    out["value_raw_shape"] = list(res.metrics[0]["raw"].shape)
+    res = optimizer_step(ddp, opt, sched, mbs, loss_fn, ctx=ctx)
+    out["value_raw_shape"] = list(res.outputs[0]["raw"].shape)
     vals = compute_values(ddp, mbs, ctx=ctx)
     with torch.no_grad():  # the head's raw output after the step, to check the alignment
         tokens = mbs[0]["tokens"]
@@ -192,8 +192,8 @@ def check_offload(ctx, mbs, out: dict) -> None:
             run["bytes_parked"].append(grad_buffer_bytes(model))
             with resident(model, offload=offload):
                 run["bytes_resident"].append(grad_buffer_bytes(model))
-                res = train_step(ddp, opt, sched, mbs, loss_fn, ctx=ctx)
-            run["losses"].append(float(sum(m["loss"] for m in res.metrics)))
+                res = optimizer_step(ddp, opt, sched, mbs, loss_fn, ctx=ctx)
+            run["losses"].append(float(sum(m["loss"] for m in res.outputs)))
         run["params"] = {n: p.detach().float().clone() for n, p in chunks[0].named_parameters()}
         runs[offload] = run
     out["offload_losses"] = [runs[False]["losses"], runs[True]["losses"]]

@@ -19,10 +19,10 @@ import torch
 from sao_megatron.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
 from sao_megatron.models.actor import token_logprobs
 from sao_megatron.models.builder import build_model_chunks
-from sao_megatron.models.cpu_support import apply_cpu_shims
+from sao_megatron.parallel.cpu_support import apply_cpu_shims
 from sao_megatron.training.checkpoint import load_checkpoint, save_checkpoint
-from sao_megatron.training.distributed import destroy, init_distributed
-from sao_megatron.training.optim import setup_optimizer, train_step
+from sao_megatron.parallel.bootstrap import destroy, init_distributed
+from sao_megatron.training.optim import setup_optimizer, optimizer_step
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
                     kv_channels=8, num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
@@ -45,12 +45,12 @@ def main(workdir: str, skip: list[str]) -> None:
 
     chunks = build_model_chunks(MODEL, ctx)
     ddp, opt, sched = setup_optimizer(chunks, OptimizerConfig(lr=1e-3), ctx, total_steps=2)
-    train_step(ddp, opt, sched, mbs, loss_fn, ctx=ctx)
+    optimizer_step(ddp, opt, sched, mbs, loss_fn, ctx=ctx)
     save_checkpoint(f"{workdir}/ckpt", ddp, opt)
     fresh = build_model_chunks(MODEL, ctx)
     fresh_ddp, fresh_opt, _ = setup_optimizer(fresh, OptimizerConfig(lr=1e-3), ctx, total_steps=2)
     load_checkpoint(f"{workdir}/ckpt", fresh_ddp, fresh_opt)
-    train_step(fresh_ddp, fresh_opt, sched, mbs, loss_fn, ctx=ctx)
+    optimizer_step(fresh_ddp, fresh_opt, sched, mbs, loss_fn, ctx=ctx)
     destroy()
     print("OK", flush=True)
 

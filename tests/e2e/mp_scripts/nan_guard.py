@@ -17,18 +17,19 @@ from update_parity import fixed_samples  # noqa: E402
 def main() -> None:
     config, out = sys.argv[1:3]
     from sao_megatron.config import load_config
-    from sao_megatron.training.trainer import NonFiniteLossError, Trainer
+    from sao_megatron.training.optim import NonFiniteLossError
+    from sao_megatron.training.trainer import Trainer
 
     cfg = load_config(config, ["run.sft_steps=0", "run.max_nan_steps=2"])
     trainer = Trainer(cfg, pathlib.Path(out).parent / "nan_run", resume="never")
-    before = [p.detach().clone() for p in trainer.actor.chunks[0].parameters()]
+    before = [p.detach().clone() for p in trainer.c.actor.chunks[0].parameters()]
     good = trainer._update(fixed_samples(cfg.model.vocab_size))
     bad_samples = fixed_samples(cfg.model.vocab_size)
     for s in bad_samples:
         s.reward = math.nan
-    after_good = [p.detach().clone() for p in trainer.actor.chunks[0].parameters()]
+    after_good = [p.detach().clone() for p in trainer.c.actor.chunks[0].parameters()]
     first = trainer._update(bad_samples)
-    unchanged = all(torch.equal(a, p) for a, p in zip(after_good, trainer.actor.chunks[0].parameters()))
+    unchanged = all(torch.equal(a, p) for a, p in zip(after_good, trainer.c.actor.chunks[0].parameters()))
     try:
         trainer._update(bad_samples)
         stopped = ""

@@ -43,10 +43,10 @@ def main() -> None:
     run_dir = pathlib.Path(out).parent / f"run_{pathlib.Path(out).stem}"
     trainer = Trainer(cfg, run_dir, resume="never")
     if save:
-        save_checkpoint(pathlib.Path(ckpt) / "actor", trainer.actor.chunks)
-        save_checkpoint(pathlib.Path(ckpt) / "critic", trainer.critic.chunks)
-    load_checkpoint(pathlib.Path(ckpt) / "actor", trainer.actor.chunks)
-    load_checkpoint(pathlib.Path(ckpt) / "critic", trainer.critic.chunks)
+        save_checkpoint(pathlib.Path(ckpt) / "actor", trainer.c.actor.chunks)
+        save_checkpoint(pathlib.Path(ckpt) / "critic", trainer.c.critic.chunks)
+    load_checkpoint(pathlib.Path(ckpt) / "actor", trainer.c.actor.chunks)
+    load_checkpoint(pathlib.Path(ckpt) / "critic", trainer.c.critic.chunks)
     metrics = trainer._update(fixed_samples(cfg.model.vocab_size))
     if dist.get_rank() == 0:
         keep = {k: v for k, v in metrics.items() if isinstance(v, float)}

@@ -53,26 +53,37 @@ def any_rank(flag: bool) -> bool:
     return any(box)
 
 
-def gather_metrics(local: dict[str, float], weight: float) -> dict[str, float]:
-    """Combine per-rank metrics on rank 0: weighted mean, except keys ending in ``max``/``min``
-    (max/min) and ``_sum``/``count``/``num_action_tokens`` (sum). Ranks that hold no metrics pass ``{}`` (e.g. non-last pipeline stages)."""
-    box: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(box, (local, weight))
-    if dist.get_rank() != 0:
-        return {}
+def combine_metrics(parts: list[tuple[dict[str, Any], float]]) -> dict[str, float]:
+    """Combine per-part metrics (micro-batches, ranks), each with its weight (action tokens).
+
+    Keys ending in ``max``/``min`` take the max/min; ``_loss`` (a share of a global objective),
+    ``_sum``, ``count`` and ``num_action_tokens`` are summed; everything else is the weighted mean.
+    Non-numeric values are dropped; a part without a key does not dilute it.
+    """
     out: dict[str, float] = {}
-    keys = {k for m, _ in box for k in m}
-    for key in sorted(keys):
-        vals = [(m[key], w) for m, w in box if key in m and isinstance(m[key], (int, float))]
+    for key in sorted({k for m, _ in parts for k in m}):
+        vals = [(float(m[key]), w) for m, w in parts if key in m and _is_number(m[key])]
         if not vals:
             continue
         if key.endswith("max"):
             out[key] = max(v for v, _ in vals)
         elif key.endswith("min"):
             out[key] = min(v for v, _ in vals)
-        elif key.endswith(("_sum", "count", "num_action_tokens")):
+        elif key.endswith(("_loss", "_sum", "count", "num_action_tokens")):
             out[key] = sum(v for v, _ in vals)
         else:
             total = sum(w for _, w in vals)
             out[key] = sum(v * w for v, w in vals) / total if total > 0 else math.nan
     return out
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) or (hasattr(x, "numel") and x.numel() == 1)
+
+
+def gather_metrics(local: dict[str, float], weight: float) -> dict[str, float]:
+    """Per-rank metrics combined on rank 0 by ``combine_metrics`` ({} elsewhere). Ranks that hold no
+    metrics pass ``{}`` (e.g. non-last pipeline stages, TP ranks other than 0)."""
+    box: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(box, (local, weight))
+    return combine_metrics(box) if dist.get_rank() == 0 else {}

@@ -56,12 +56,13 @@ def shims_applied() -> bool:
     return bool(getattr(torch.cuda, _MARK, False))
 
 
-def apply_cpu_shims(*, skip: Collection[str] = ()) -> None:
-    """Patch megatron-core/torch.cuda for CPU execution (no-op with a GPU; idempotent).
+def apply_cpu_shims(*, skip: Collection[str] = (), force: bool = False) -> None:
+    """Patch megatron-core/torch.cuda for CPU execution (no-op with a GPU unless ``force``: a run
+    told ``resources.device=cpu`` on a GPU node; idempotent).
 
     ``skip`` names shims to leave out; only the necessity tests use it.
     """
-    if torch.cuda.is_available() or shims_applied():
+    if (torch.cuda.is_available() and not force) or shims_applied():
         return
     check_megatron_version()
     unknown = set(skip) - set(SHIMS)
@@ -227,7 +228,7 @@ def _shim_rng_tracker() -> None:
     """Megatron's model-parallel RNG tracker keeps CPU generator states instead of CUDA ones.
 
     Without it: ``tensor_parallel.model_parallel_cuda_manual_seed`` (called by
-    training.distributed.init_distributed) fails in ``torch.cuda.get_rng_state``; and
+    parallel.bootstrap.init_distributed) fails in ``torch.cuda.get_rng_state``; and
     ``_set_cuda_rng_state`` would silently queue its work forever (``_lazy_call`` never
     runs without CUDA), so ``tracker.fork()`` would not switch streams at all.
     """

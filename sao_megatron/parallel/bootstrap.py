@@ -14,8 +14,8 @@ import logging
 import os
 import random
 import re
-import socket
 import subprocess
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from sao_megatron.config.schema import ParallelConfig
+from sao_megatron.errors import SaoError
+from sao_megatron.net import free_port
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -93,12 +95,6 @@ def expand_first_host(nodelist: str) -> str:
 def slurm_port(job_id: str) -> int:
     """A job-specific port so concurrent jobs on one node do not collide (override with MASTER_PORT)."""
     return 15000 + int(re.sub(r"\D", "", job_id) or 0) % 20000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -189,21 +185,63 @@ def check_world_size(parallel: ParallelConfig, world_size: int) -> None:
                          f"change parallel.expert_model_parallel_size or expert_tensor_parallel_size")
 
 
-def init_distributed(parallel: ParallelConfig, *, seed: int,
+class DeviceError(SaoError):
+    """``resources.device`` asks for a device this node cannot provide."""
+
+
+def cuda_problem(local_rank: int) -> str | None:
+    """Why this process cannot train on ``cuda:<local_rank>``, or None when it can."""
+    if torch.version.cuda is None:
+        return f"this torch build ({torch.__version__}) has no CUDA support"
+    with warnings.catch_warnings(record=True) as caught:  # e.g. "the NVIDIA driver on your system is too old"
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    if not available:
+        told = "; ".join(str(w.message).splitlines()[0] for w in caught)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        return f"torch.cuda.is_available() is False{where}" + (f": {told}" if told else
+                                                                  ": no GPU visible or a driver/wheel mismatch")
+    if local_rank >= torch.cuda.device_count():
+        return f"local rank {local_rank} but only {torch.cuda.device_count()} GPU(s) visible on this node"
+    return None
+
+
+def resolve_device(setting: str, local_rank: int) -> torch.device:
+    """``resources.device`` -> this process's device. ``cuda`` fails with the reason when CUDA is
+    unusable; ``auto`` falls back to the CPU with one warning line; ``cpu`` never touches CUDA."""
+    if setting == "cpu":
+        return torch.device("cpu")
+    if setting not in ("auto", "cuda"):
+        raise ValueError(f"resources.device={setting!r} must be auto, cuda or cpu")
+    problem = cuda_problem(local_rank)
+    if problem is None:
+        return torch.device("cuda", local_rank)
+    if setting == "cuda":
+        raise DeviceError(f"resources.device=cuda but CUDA is unusable here: {problem}. Fix the node (driver, "
+                          "CUDA_VISIBLE_DEVICES, a torch wheel built for this driver) or set resources.device=cpu")
+    logger.warning("resources.device=auto: CUDA is unusable (%s): this process trains on the CPU", problem)
+    return torch.device("cpu")
+
+
+def init_distributed(parallel: ParallelConfig, *, seed: int, device: str = "auto",
                      environ: Mapping[str, str] | None = None) -> ParallelContext:
     """Start torch.distributed (if needed) and Megatron's model parallel state; seed all RNGs.
 
-    Reuses an already initialised default process group (e.g. a test harness).
+    ``device``: ``resources.device`` (auto | cuda | cpu). The backend (NCCL on CUDA, gloo on the
+    CPU), the CPU shims and Megatron's initialisation device follow it. Reuses an already
+    initialised default process group (e.g. a test harness).
     """
     from megatron.core import parallel_state as mpu
 
-    from sao_megatron.models.cpu_support import apply_cpu_shims
+    from sao_megatron.parallel.cpu_support import apply_cpu_shims
 
-    has_gpu = torch.cuda.is_available()
-    if not has_gpu:
-        apply_cpu_shims()
     env = launch_env(environ)
-    if has_gpu:
+    dev = resolve_device(device, env.local_rank)
+    has_gpu = dev.type == "cuda"
+    if not has_gpu:
+        apply_cpu_shims(force=True)
+    else:
         torch.cuda.set_device(env.local_rank)
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
     if not dist.is_initialized():
@@ -221,7 +259,7 @@ def init_distributed(parallel: ParallelConfig, *, seed: int,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         distributed_timeout_minutes=parallel.distributed_timeout_minutes)
-    ctx = _context_from_mpu(parallel, env, torch.device("cuda", env.local_rank) if has_gpu else torch.device("cpu"))
+    ctx = _context_from_mpu(parallel, env, dev)
     seed_all(seed, ctx)
     logger.info("rank %d/%d (%s, %s): tp %d/%d pp %d/%d ep %d/%d etp %d/%d dp %d/%d", ctx.rank, world,
                 env.source, dist.get_backend(), ctx.tp_rank, ctx.tp_size, ctx.pp_rank, ctx.pp_size,

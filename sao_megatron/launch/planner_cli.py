@@ -1,7 +1,7 @@
 """`sao-megatron plan --config X.yaml [--nodes N --gpus-per-node 8 --gpu-mem-gb 141] [--json]`.
 
 Checks the trainer and rollout layouts of a config against a cluster shape and
-estimates per-GPU memory (see models/planner.py for the memory model). Exit code
+estimates per-GPU memory (see launch/planner.py for the memory model). Exit code
 0 when the layout is valid and fits, 1 when it does not (the output says why and
 suggests the smallest layout that fits), 2 for a config that does not load.
 """
@@ -42,7 +42,7 @@ def with_cluster(cfg: Any, args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from sao_megatron.config import load_config
     from sao_megatron.config.validate import check_resources, check_training
-    from sao_megatron.models.planner import make_plan
+    from sao_megatron.launch.planner import make_plan
 
     cfg = with_cluster(load_config(args.config, args.overrides, check=False), args)
     plan = make_plan(cfg, max_nodes=args.max_nodes, nccl_gbps=args.nccl_gbps, disk_gbps=args.disk_gbps)

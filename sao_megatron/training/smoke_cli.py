@@ -33,10 +33,10 @@ def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", module=r"megatron\..*")
 
     from sao_megatron.config import load_config
-    from sao_megatron.training.distributed import destroy, init_distributed, launch_env
+    from sao_megatron.parallel.bootstrap import destroy, init_distributed, launch_env
 
     cfg = load_config(args.config, args.overrides, world_size=launch_env().world_size)
-    ctx = init_distributed(cfg.parallel, seed=cfg.run.seed)
+    ctx = init_distributed(cfg.parallel, seed=cfg.run.seed, device=cfg.resources.device)
     try:
         rows, losses = _smoke(cfg, ctx, steps=args.steps, seq_len=args.seq_len)
         if dist.get_rank() == 0:
@@ -51,15 +51,15 @@ def _microbatches(cfg, ctx, seq_len: int):
 
     g = torch.Generator().manual_seed(cfg.run.seed + ctx.dp_rank)
     seq = -(-seq_len // ctx.tp_size) * ctx.tp_size  # sequence parallel needs a multiple of TP
-    return [{"tokens": torch.randint(0, cfg.model.vocab_size, (2, seq), generator=g),
-             "returns": torch.rand(2, seq, generator=g)} for _ in range(max(2, ctx.pp_size))]
+    return [{"tokens": torch.randint(0, cfg.model.vocab_size, (2, seq), generator=g).to(ctx.device),
+             "returns": torch.rand(2, seq, generator=g).to(ctx.device)} for _ in range(max(2, ctx.pp_size))]
 
 
 def _smoke(cfg, ctx, *, steps: int, seq_len: int):
     from sao_megatron.models.actor import token_logprobs
     from sao_megatron.models.builder import build_model_chunks, count_parameters
     from sao_megatron.models.critic import freeze_for_critic, init_critic_from_actor, token_values
-    from sao_megatron.training.optim import setup_optimizer, train_step
+    from sao_megatron.training.optim import optimizer_step, setup_optimizer
 
     actor = build_model_chunks(cfg.model, ctx)
     critic = build_model_chunks(cfg.model, ctx, value_head=True)
@@ -84,21 +84,9 @@ def _smoke(cfg, ctx, *, steps: int, seq_len: int):
                                        ("critic", critic, critic_loss, cfg.critic.optimizer)):
         ddp, optimizer, scheduler = setup_optimizer(chunks, opt, ctx, total_steps=steps)
         start = time.perf_counter()
-        losses[name] = [_global_loss(train_step(ddp, optimizer, scheduler, mbs, loss_fn, ctx=ctx), ctx)
-                        for _ in range(steps)]
+        losses[name] = [optimizer_step(ddp, optimizer, scheduler, mbs, loss_fn, ctx=ctx).loss for _ in range(steps)]
         losses[name + "_s_per_step"] = (time.perf_counter() - start) / max(steps, 1)
     return rows, losses
-
-
-def _global_loss(result, ctx) -> float:
-    """Sum of the micro-batch losses over DP ranks (TP ranks repeat the same value)."""
-    import torch
-    import torch.distributed as dist
-
-    local = sum(float(m["loss"]) for m in result.metrics)
-    total = torch.tensor([local], dtype=torch.float64)
-    dist.all_reduce(total)
-    return float(total) / ctx.tp_size
 
 
 def _print_report(cfg, ctx, rows, losses) -> None:

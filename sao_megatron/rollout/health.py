@@ -1,0 +1,86 @@
+"""Engine health: one probe that tells a working, a busy (paused/loading) and a dead engine apart,
+and one poller that waits until engines answer.
+
+SGLang's ``/health`` runs a one-token generation through the scheduler (0.5.23,
+``http_server.health_generate`` behind ``/health``): it takes at least about a second
+on a loaded engine, and on a paused engine it answers 503 after its own 20 s bound.
+A short ``/health`` timeout therefore calls a paused or busy engine dead. The probe
+asks ``/model_info`` first (served by the tokenizer manager without the scheduler,
+answered while paused): no answer there means the process is gone or hung; an answer
+there plus a failed ``/health`` means busy, which is not a reason to drop it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+
+import httpx
+
+# Above SGLang's own 20 s /health bound on a paused engine, so a slow answer is not taken for death.
+HEALTH_TIMEOUT_S = 30.0
+INFO_TIMEOUT_S = 10.0
+
+
+class EngineState(enum.Enum):
+    OK = "ok"
+    """/health answered 200."""
+    BUSY = "busy"
+    """Alive (/model_info answered) but /health did not pass: paused, loading weights or overloaded."""
+    DEAD = "dead"
+    """No answer at all: the process is gone, hung, or the address is wrong."""
+
+
+def headers_for(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def probe(http: httpx.AsyncClient, base_url: str, *, paused: bool = False,
+                health_timeout_s: float = HEALTH_TIMEOUT_S) -> EngineState:
+    """One engine's state. ``paused``: the caller paused it, so /health (which would wait) is skipped.
+
+    No answer on /model_info within INFO_TIMEOUT_S: DEAD (gone or hung, e.g. SIGSTOP); /health is
+    then not asked, so a hung engine costs one short bound, not SGLang's 20 s."""
+    base = base_url.rstrip("/")
+    try:
+        info_ok = (await http.get(f"{base}/model_info", timeout=INFO_TIMEOUT_S)).status_code == 200
+    except httpx.HTTPError:
+        return EngineState.DEAD
+    if paused:
+        return EngineState.BUSY if info_ok else EngineState.DEAD
+    try:
+        if (await http.get(f"{base}/health", timeout=health_timeout_s)).status_code == 200:
+            return EngineState.OK
+    except httpx.HTTPError:
+        pass
+    return EngineState.BUSY
+
+
+def wait_healthy(urls: Sequence[str], *, timeout_s: float, what: str = "engine", api_key: str | None = None,
+                 alive: Callable[[], bool] = lambda: True, on_dead: Callable[[], str] = lambda: "",
+                 interval_s: float = 0.2) -> None:
+    """Poll until every URL's ``/health`` answers 200.
+
+    ``alive``: False once the local process serving the URLs exited (fail at once, with
+    ``on_dead()``'s text, e.g. the log tail). TimeoutError naming the URLs still pending.
+    """
+    pending = [u.rstrip("/") for u in urls]
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(trust_env=False, headers=headers_for(api_key)) as http:
+        while True:
+            pending = [u for u in pending if not _answers(http, u)]
+            if not pending:
+                return
+            if not alive():
+                raise RuntimeError(f"the local {what} process exited before {pending} became healthy. {on_dead()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} not healthy after {timeout_s:.0f} s: {pending}. {on_dead()}")
+            time.sleep(interval_s)
+
+
+def _answers(http: httpx.Client, base: str) -> bool:
+    try:
+        return http.get(f"{base}/health", timeout=min(HEALTH_TIMEOUT_S, 10.0)).status_code == 200
+    except httpx.HTTPError:
+        return False

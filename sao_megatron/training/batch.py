@@ -1,0 +1,98 @@
+"""Batch preparation: samples -> this rank's micro-batches on the model's device (one function).
+
+The RL update, value pretraining and the supervised warm-up all train on batches
+made here. Every tensor a model or a collective sees is created on (or moved to)
+``device`` (the trainer's ``ctx.device``): CUDA weights next to CPU batches fail at
+the first forward, and NCCL has no CPU path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sao_megatron.errors import SaoError
+from sao_megatron.scheduler.sample import Sample, collate
+from sao_megatron.training.forward import MicroBatch
+from sao_megatron.training.microbatch import plan_microbatches, slice_padded
+
+PER_TOKEN_KEYS = ("tokens", "action_mask", "rollout_logprobs", "token_rewards", "versions")
+
+
+@dataclass(kw_only=True, slots=True)
+class LocalBatch:
+    """This rank's micro-batches plus the global counts that normalise every loss."""
+
+    microbatches: list[MicroBatch]
+    """Per micro-batch on the device: tokens, action_mask (float), rollout_logprobs, token_rewards,
+    versions [b, s] and ``row`` [b] (index of the row in the global batch)."""
+    full: dict[str, Any]
+    """The collated global batch on the host (``scheduler.sample.collate``): rewards, group ids, lengths."""
+    num_tokens: int
+    """Action tokens in the whole global batch (all DP ranks)."""
+    num_sequences: int
+    """Samples in the whole global batch."""
+    device: torch.device
+    """Where the micro-batches live (the models' device)."""
+    outcome_advantages: torch.Tensor | None = None
+    """Per-sample advantages [B_global] on ``device`` for outcome-only objectives (grpo*, running mean)."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Batch statistics known before the update (reward, lengths)."""
+
+
+def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+    """Every token id of a batch is a real vocabulary entry (the engines sample from the same model).
+
+    An id outside ``[0, vocab_size)`` means the engines serve a different model or tokenizer than
+    ``model.vocab_size`` describes; its log-prob would be -inf, so stop before training on it.
+    """
+    if tokens.numel() == 0:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        bad = high if high >= vocab_size else low
+        raise SaoError(f"a rollout holds token id {bad}, outside model.vocab_size={vocab_size}: the engines serve "
+                       "a model or tokenizer other than the configured one; point them at the trainer's weights "
+                       "(model.hf_dir) or set model.vocab_size to the checkpoint's vocabulary")
+
+
+def prepare_batch(samples: list[Sample], *, dp_rank: int, dp_size: int, pad_multiple: int, max_tokens: int,
+                  vocab_size: int, device: torch.device | str, min_microbatches: int = 1) -> LocalBatch:
+    """Collate the global batch, check its token ids, and give this DP rank its micro-batches.
+
+    Rows are dealt round-robin over length-sorted samples (balanced DP shards), then packed into
+    micro-batches of at most ``max_tokens`` padded tokens (``training.microbatch``), sequence
+    lengths padded to ``pad_multiple`` (the TP size, for sequence parallelism). ``min_microbatches``:
+    split micro-batches until there are at least this many (one per mini-batch of a PPO-style update).
+    """
+    full = collate(samples, pad_to_multiple=pad_multiple)
+    check_token_ids(full["tokens"], vocab_size)
+    seq_lens = full["seq_lens"].tolist()
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    mine = order[dp_rank::dp_size]
+    tensors = {k: full[k] for k in PER_TOKEN_KEYS}
+    tensors["action_mask"] = tensors["action_mask"].float()
+    plan = plan_microbatches([seq_lens[i] for i in mine], max_tokens=max_tokens, pad_multiple=pad_multiple,
+                             num_microbatches_multiple=min_microbatches)
+    if len(plan.indices) < min_microbatches:
+        raise SaoError(f"data-parallel rank {dp_rank} holds {len(mine)} samples, fewer than the "
+                       f"{min_microbatches} mini-batches asked for: lower actor.num_minibatches or raise "
+                       "scheduler.batch_size")
+    device = torch.device(device)
+    mbs = []
+    for group, seq in zip(plan.indices, plan.seq_lengths):
+        rows = [mine[j] for j in group]
+        mb = {k: v.to(device, non_blocking=True) for k, v in slice_padded(tensors, rows, seq).items()}
+        mb["row"] = torch.tensor(rows, dtype=torch.long, device=device)  # global sample index per row
+        mbs.append(mb)
+    return LocalBatch(microbatches=mbs, full=full, num_tokens=int(full["action_mask"].sum()),
+                      num_sequences=len(seq_lens), device=device)
+
+
+def minibatch_groups(batch: LocalBatch, num_minibatches: int) -> list[list[int]]:
+    """Micro-batch indices of each mini-batch: contiguous, as even as the micro-batches allow."""
+    n = len(batch.microbatches)
+    bounds = [round(k * n / num_minibatches) for k in range(num_minibatches + 1)]
+    return [list(range(bounds[k], bounds[k + 1])) for k in range(num_minibatches)]

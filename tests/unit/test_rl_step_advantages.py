@@ -1,0 +1,82 @@
+"""Advantages as the RL step attaches them (issue 16): plain token-level GAE reads the critic's own
+values at observation tokens (the old code zeroed them, biasing a skip-vs-plain ablation whenever
+γλ < 1), skip-observation GAE never reads them, and with γ = λ = 1 both coincide."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sao_megatron.config import AlgorithmConfig
+from sao_megatron.scheduler.sample import Sample
+from sao_megatron.training import rl_step
+from sao_megatron.training.batch import prepare_batch
+
+pytestmark = pytest.mark.unit
+
+
+def multi_turn(n: int = 5) -> list[Sample]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        mask = [1, 1, 0, 0, 1, 1, 0, 1][: 5 + i % 4]  # observation runs between turns
+        out.append(Sample(prompt_ids=[1, 2, 3], response_ids=list(range(4, 4 + len(mask))), action_mask=mask,
+                          rollout_logprobs=[-1.0] * len(mask), versions=[0] * len(mask),
+                          reward=float(torch.rand(1, generator=g)), index=i, group_id=i))
+    return out
+
+
+def reference_plain(rewards: list[float], values: list[float], mask: list[int], gamma: float, lam: float):
+    """Every position up to the last action token is a step, with its own value (slow loop)."""
+    last = max(i for i, m in enumerate(mask) if m)
+    adv, nxt_v, nxt_a = [0.0] * len(mask), 0.0, 0.0
+    for t in range(last, -1, -1):
+        delta = rewards[t] + gamma * nxt_v - values[t]
+        nxt_a = delta + gamma * lam * nxt_a
+        nxt_v = values[t]
+        adv[t] = nxt_a if mask[t] else 0.0
+    return adv
+
+
+def attach(gae: str, values_of, gamma=0.9, lam=0.8):
+    batch = prepare_batch(multi_turn(), dp_rank=0, dp_size=1, pad_multiple=1, max_tokens=1 << 12, vocab_size=64,
+                          device="cpu")
+    values = [values_of(mb) for mb in batch.microbatches]
+    rl_step.attach_advantages(batch, AlgorithmConfig(gae=gae, gamma=gamma, lam=lam), values)
+    return batch, values
+
+
+def random_values(mb):
+    return torch.randn(mb["tokens"].shape, generator=torch.Generator().manual_seed(int(mb["row"][0])))
+
+
+def test_plain_gae_uses_the_critic_values_at_observation_tokens():
+    batch, values = attach("token", random_values)
+    for mb, v in zip(batch.microbatches, values):
+        for b in range(mb["tokens"].shape[0]):
+            mask = mb["action_mask"][b].long().tolist()
+            expected = reference_plain(mb["token_rewards"][b].tolist(), v[b].tolist(), mask, 0.9, 0.8)
+            assert mb["advantages"][b].tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_skip_observation_gae_never_reads_observation_values():
+    batch_a, _ = attach("skip_observation", random_values)
+
+    def scrambled(mb):  # same values at action tokens, garbage elsewhere
+        v = random_values(mb)
+        return torch.where(mb["action_mask"] > 0, v, torch.full_like(v, 1e3))
+
+    batch_b, _ = attach("skip_observation", scrambled)
+    for a, b in zip(batch_a.microbatches, batch_b.microbatches):
+        assert torch.allclose(a["advantages"], b["advantages"], atol=1e-5)
+
+
+def test_lambda_below_one_separates_the_two_estimators_and_one_joins_them():
+    plain, _ = attach("token", random_values)
+    skip, _ = attach("skip_observation", random_values)
+    assert any(not torch.allclose(p["advantages"], s["advantages"], atol=1e-4)
+               for p, s in zip(plain.microbatches, skip.microbatches))
+    plain1, _ = attach("token", random_values, gamma=1.0, lam=1.0)  # telescopes to R - V either way
+    skip1, _ = attach("skip_observation", random_values, gamma=1.0, lam=1.0)
+    for p, s in zip(plain1.microbatches, skip1.microbatches):
+        assert torch.allclose(p["advantages"], s["advantages"], atol=1e-6)
