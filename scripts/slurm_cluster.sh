@@ -174,6 +174,18 @@ start_munge() {
   die "munged did not start (see /var/log/munge/munged.log)"
 }
 
+# netns: every daemon and srun binds to its own node's address, never to every interface. The
+# loopback fallback cannot: a connection to 127.0.0.12 leaves from 127.0.0.1, so the step daemons
+# would call srun back on 127.0.0.1 while it listens on 127.0.0.11 ("Slurmd could not connect IO").
+comm_parameters() {
+  if [ "$(net_mode)" = netns ]; then
+    echo "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny"
+  else
+    echo "# loopback fallback: srun and slurmd bind to every address (replies come from 127.0.0.1)"
+    echo "CommunicationParameters=NoCtldInAddrAny"
+  fi
+}
+
 node_lines() {
   local i
   for ((i = 1; i <= NUM_NODES; i++)); do
@@ -199,8 +211,7 @@ AuthType=auth/munge
 CredType=cred/munge
 # Requeued jobs wait cred_expire s before rerunning (default 120; below 5 is ignored).
 AuthInfo=cred_expire=10
-# Bind to the own address, never to every interface (the nodes share one kernel).
-CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
+$(comm_parameters)
 StateSaveLocation=$ROOT/state
 SlurmdSpoolDir=$ROOT/spool/%n
 SlurmctldPidFile=$CTLD_PID
