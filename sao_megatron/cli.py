@@ -27,6 +27,7 @@ _VERBS: dict[str, str] = {
     "launch": "sao_megatron.launch.cli",
     "eval": "sao_megatron.training.eval_cli",
     "study": "sao_megatron.study.cli",
+    "node": "sao_megatron.launch.node",
 }
 
 

@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
-# A real single-host Slurm cluster with emulated nodes n[1-4] on 127.0.0.1.
+# A real single-host Slurm cluster whose emulated nodes n[1-4] each have their own address.
 #
 #   bash scripts/slurm_cluster.sh start    # idempotent; installs slurm-wlm + munge (apt, root) on first use
-#   bash scripts/slurm_cluster.sh status   # daemons, nodes, queue; exit 1 if not fully up
-#   bash scripts/slurm_cluster.sh stop     # cancels jobs, stops every daemon by its pid file
+#   bash scripts/slurm_cluster.sh status   # daemons, nodes, network, queue; exit 1 if not fully up
+#   bash scripts/slurm_cluster.sh stop     # cancels jobs, stops every daemon by its pid file,
+#                                          # removes the namespaces and links it made (by name)
 #
 # Used by the tests marked `slurm` and by CI. Debian's slurm-wlm is built with
-# MULTIPLE_SLURMD, so one slurmd per emulated node (`slurmd -N nK`) listens on its own
-# port. Settings and the reasons for them: ../shared/notes/slurm-on-one-host.md.
+# MULTIPLE_SLURMD, so one slurmd per emulated node (`slurmd -N nK`) runs on its own port.
+# Settings and the reasons for them: ../shared/notes/slurm-on-one-host.md.
+#
+# Network (SAO_SLURM_NET, default auto = netns when `ip netns add` works, else loopback):
+#   netns     each node nK is a network namespace `sao-nK` whose only interface `eth0` (a veth)
+#             has $SUBNET.(10+K)/24 on the bridge `saobr0` (the controller: $SUBNET.1 on the
+#             bridge). Nothing is routed off the machine. The node's slurmd (and so every job
+#             process on it) also gets its own UTS namespace with hostname nK and an /etc/hosts
+#             (bind-mounted in its own mount namespace; a copy in /etc/netns/sao-nK for `ip netns
+#             exec`) where every node name resolves to that node's address, never to loopback.
+#             127.0.0.1 inside a node reaches that node only, as on a real cluster.
+#   loopback  fallback without CAP_NET_ADMIN: node nK listens on 127.0.0.(10+K); with
+#             `unshare` allowed each slurmd still gets hostname nK and the same hosts file.
 # Node count, CPUs and memory per node can be changed with SAO_SLURM_NODES (default 4),
-# SAO_SLURM_CPUS (8) and SAO_SLURM_MEM_MB (16000); they apply at the next cold start.
+# SAO_SLURM_CPUS (8) and SAO_SLURM_MEM_MB (16000), the subnet with SAO_SLURM_SUBNET
+# (default 10.77.0); they apply at the next cold start.
 set -euo pipefail
 
 ROOT="${SAO_SLURM_ROOT:-/var/lib/sao-slurm}"
@@ -17,10 +30,15 @@ CONF=/etc/slurm/slurm.conf          # where every Slurm client looks without SLU
 NUM_NODES="${SAO_SLURM_NODES:-4}"
 NODE_CPUS="${SAO_SLURM_CPUS:-8}"
 NODE_MEM_MB="${SAO_SLURM_MEM_MB:-16000}"
+NET_MODE="${SAO_SLURM_NET:-auto}"
+SUBNET="${SAO_SLURM_SUBNET:-10.77.0}"
+BRIDGE=saobr0
+NETNS_PREFIX=sao-                   # namespace sao-nK, host-side veth end sao-nK
 CTLD_PORT=16817                     # off the default 6817 so a real installation is never hit
 NODE_PORT0=17001
 MUNGE_PID=/run/munge/munged.pid
 CTLD_PID="$ROOT/run/slurmctld.pid"
+NET_FILE="$ROOT/run/net"            # the network mode of the running cluster (stop/status read it)
 HOST="$(hostname -s)"
 
 log() { echo "slurm_cluster: $*" >&2; }
@@ -42,6 +60,95 @@ alive() {
   esac
   state="$(sed -E 's/^[0-9]+ \(.*\) ([A-Za-z]).*/\1/' "/proc/$pid/stat" 2>/dev/null)" || return 1
   [ "$state" != "Z" ]
+}
+
+# --- network identity of the nodes -------------------------------------------------------
+net_mode() { cat "$NET_FILE" 2>/dev/null || echo none; }
+netns_of() { echo "${NETNS_PREFIX}n$1"; }
+node_addr() {  # node index -> the address other nodes reach it at
+  if [ "$(net_mode)" = netns ]; then echo "$SUBNET.$((10 + $1))"; else echo "127.0.0.$((10 + $1))"; fi
+}
+ctld_addr() { if [ "$(net_mode)" = netns ]; then echo "$SUBNET.1"; else echo 127.0.0.1; fi; }
+HOSTS_FILE="$ROOT/run/hosts"          # every node's (and the controller's) /etc/hosts
+
+choose_net_mode() {
+  case "$NET_MODE" in
+    netns | loopback) echo "$NET_MODE" ;;
+    auto)
+      local probe="${NETNS_PREFIX}probe-$$"
+      if ip netns add "$probe" 2>/dev/null; then ip netns del "$probe"; echo netns; else echo loopback; fi ;;
+    *) die "SAO_SLURM_NET=$NET_MODE: use auto, netns or loopback" ;;
+  esac
+}
+
+# What a node sees in /etc/hosts: its own and every other node's name on their addresses.
+write_hosts() {
+  local i
+  mkdir -p "$(dirname "$1")"
+  { echo "127.0.0.1 localhost"
+    echo "::1 localhost ip6-localhost ip6-loopback"
+    echo "$(ctld_addr) $HOST"
+    for ((i = 1; i <= NUM_NODES; i++)); do echo "$(node_addr "$i") n$i"; done
+  } >"$1"
+}
+
+netns_up() {
+  local i ns
+  ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge \
+    || die "cannot create bridge $BRIDGE: rerun with SAO_SLURM_NET=loopback"
+  ip addr replace "$SUBNET.1/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+  for ((i = 1; i <= NUM_NODES; i++)); do
+    ns="$(netns_of "$i")"
+    [ -e "/run/netns/$ns" ] || ip netns add "$ns"
+    ip -n "$ns" link show eth0 >/dev/null 2>&1 || ip link add "$ns" type veth peer name eth0 netns "$ns"
+    ip link set "$ns" master "$BRIDGE" up
+    ip -n "$ns" addr replace "$(node_addr "$i")/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$ns" link set lo up
+    cp "$HOSTS_FILE" "/etc/netns/$ns/hosts" 2>/dev/null \
+      || { mkdir -p "/etc/netns/$ns"; cp "$HOSTS_FILE" "/etc/netns/$ns/hosts"; }  # for `ip netns exec`
+  done
+}
+
+# Sets up the nodes' network (the mode chosen at a cold start stays until `stop`).
+net_up() {
+  [ -s "$NET_FILE" ] || { mkdir -p "$(dirname "$NET_FILE")"; choose_net_mode >"$NET_FILE"; }
+  write_hosts "$HOSTS_FILE"
+  if [ "$(net_mode)" = netns ]; then netns_up; fi
+}
+
+# Removes what netns_up made, by name; a process still inside a node namespace is a leftover
+# of a job of this cluster (the daemons are stopped by then): killed by its pid.
+net_down() {
+  local ns pid
+  for ns in $(ls /run/netns 2>/dev/null | grep -E "^${NETNS_PREFIX}n[0-9]+\$" || true); do
+    for pid in $(ip netns pids "$ns" 2>/dev/null || true); do
+      log "killing leftover process $pid in $ns"
+      kill -KILL "$pid" 2>/dev/null || true
+    done
+    ip netns del "$ns" 2>/dev/null || log "could not delete namespace $ns"
+    ip link del "$ns" 2>/dev/null || true  # normally gone with its peer
+    rm -rf "/etc/netns/$ns"
+  done
+  if ip link show "$BRIDGE" >/dev/null 2>&1; then ip link del "$BRIDGE"; fi
+  rm -f "$NET_FILE" "$HOSTS_FILE"
+}
+
+# Runs a daemon as node i: in its network namespace (netns mode) with its own hostname and
+# hosts file, where unshare is allowed (else plainly, loopback mode only). Not `ip netns exec`:
+# it remounts /sys without the cgroup file system, and slurmd refuses to start without it.
+run_as_node() {
+  local i="$1"; shift
+  local enter=()
+  [ "$(net_mode)" = netns ] && enter=(nsenter "--net=/run/netns/$(netns_of "$i")" --)
+  if "${enter[@]}" unshare --uts --mount --propagation private -- true 2>/dev/null; then
+    "${enter[@]}" unshare --uts --mount --propagation private -- \
+      sh -c 'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"' "n$i" "$HOSTS_FILE" "$@"
+  else
+    [ "$(net_mode)" = loopback ] || die "cannot enter namespace $(netns_of "$i") with its own hostname"
+    "$@"
+  fi
 }
 
 install_packages() {
@@ -67,17 +174,36 @@ start_munge() {
   die "munged did not start (see /var/log/munge/munged.log)"
 }
 
+# netns: every daemon and srun binds to its own node's address, never to every interface. The
+# loopback fallback cannot: a connection to 127.0.0.12 leaves from 127.0.0.1, so the step daemons
+# would call srun back on 127.0.0.1 while it listens on 127.0.0.11 ("Slurmd could not connect IO").
+comm_parameters() {
+  if [ "$(net_mode)" = netns ]; then
+    echo "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny"
+  else
+    echo "# loopback fallback: srun and slurmd bind to every address (replies come from 127.0.0.1)"
+    echo "CommunicationParameters=NoCtldInAddrAny"
+  fi
+}
+
+node_lines() {
+  local i
+  for ((i = 1; i <= NUM_NODES; i++)); do
+    echo "NodeName=n$i NodeHostname=n$i NodeAddr=$(node_addr "$i") Port=$((NODE_PORT0 + i - 1))" \
+         "CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN"
+  done
+}
+
 write_conf() {
   # Job ids restart at 1 when state is wiped, and a reused %j folder hands submitit an
   # old result: start each cold cluster at an id taken from the clock (1 per 0.25 s,
   # wrapping after ~190 days below Slurm's MaxJobId).
   local first_job_id=$(( ($(date +%s) * 4) % 67000000 + 1 ))
-  local last_port=$((NODE_PORT0 + NUM_NODES - 1))
   mkdir -p /etc/slurm
   cat >"$CONF" <<EOF
-# Written by scripts/slurm_cluster.sh (emulated single-host cluster); rewritten on each cold start.
+# Written by scripts/slurm_cluster.sh (emulated single-host cluster, network: $(net_mode)); rewritten on each cold start.
 ClusterName=sao
-SlurmctldHost=$HOST(127.0.0.1)
+SlurmctldHost=$HOST($(ctld_addr))
 SlurmctldPort=$CTLD_PORT
 SlurmUser=root
 SlurmdUser=root
@@ -85,7 +211,7 @@ AuthType=auth/munge
 CredType=cred/munge
 # Requeued jobs wait cred_expire s before rerunning (default 120; below 5 is ignored).
 AuthInfo=cred_expire=10
-CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
+$(comm_parameters)
 StateSaveLocation=$ROOT/state
 SlurmdSpoolDir=$ROOT/spool/%n
 SlurmctldPidFile=$CTLD_PID
@@ -109,7 +235,7 @@ PropagateResourceLimits=NONE
 KillWait=15
 MinJobAge=600
 FirstJobId=$first_job_id
-NodeName=n[1-$NUM_NODES] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=[$NODE_PORT0-$last_port] CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN
+$(node_lines)
 PartitionName=debug Nodes=n[1-$NUM_NODES] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 EOF
 }
@@ -120,8 +246,16 @@ start_slurmctld() {
   stop_slurmds
   rm -rf "$ROOT/state" "$ROOT/spool"
   mkdir -p "$ROOT/state" "$ROOT/run" "$ROOT/log"
+  net_down
+  net_up
   write_conf
-  /usr/sbin/slurmctld -c -f "$CONF"
+  # NoCtldInAddrAny binds slurmctld to what its hostname resolves to: on the bridge, not loopback.
+  if [ "$(net_mode)" = netns ]; then
+    unshare --mount --propagation private -- \
+      sh -c 'mount --bind "$0" /etc/hosts && exec "$@"' "$HOSTS_FILE" /usr/sbin/slurmctld -c -f "$CONF"
+  else
+    /usr/sbin/slurmctld -c -f "$CONF"
+  fi
   for _ in $(seq 100); do alive "$CTLD_PID" && return; sleep 0.1; done
   die "slurmctld did not start (see $ROOT/log/slurmctld.log)"
 }
@@ -131,7 +265,7 @@ start_slurmds() {
   for n in $(node_names); do
     alive "$(slurmd_pid_file "$n")" && continue
     mkdir -p "$ROOT/spool/$n"
-    /usr/sbin/slurmd -N "$n" -f "$CONF"
+    run_as_node "${n#n}" /usr/sbin/slurmd -N "$n" -f "$CONF"
   done
 }
 
@@ -198,6 +332,7 @@ cmd_start() {
   install_packages
   start_munge
   start_slurmctld
+  net_up  # a no-op when up; recreates links a crash or a manual `ip` took away
   start_slurmds
   wait_idle
   log "up: $(sinfo -h -o '%P %D %T %N' | tr '\n' ' ')"
@@ -208,6 +343,7 @@ cmd_stop() {
   stop_slurmds
   stop_pid_file "$CTLD_PID"
   kill_orphan_stepds
+  net_down
   stop_pid_file "$MUNGE_PID"
   log "stopped"
 }
@@ -220,7 +356,8 @@ cmd_status() {
     if alive "$(slurmd_pid_file "$n")"; then echo "slurmd $n: running ($(cat "$(slurmd_pid_file "$n")"))"
     else echo "slurmd $n: stopped"; ok=1; fi
   done
-  if [ $ok = 0 ]; then sinfo -N -o '%N %P %T %c %m'; squeue; fi
+  echo "network: $(net_mode)$( [ "$(net_mode)" = netns ] && echo " (bridge $BRIDGE, namespaces ${NETNS_PREFIX}n*)")"
+  if [ $ok = 0 ]; then sinfo -N -o '%N %P %T %c %m %o'; squeue; fi
   return $ok
 }
 

@@ -70,6 +70,9 @@ class LaunchPlan:
     """Seconds before the time limit at which the trainer is told (SIGUSR1) to checkpoint."""
     shutdown_timeout_s: int = 600
     """Seconds torchrun lets its ranks finish a checkpoint after a signal before killing them."""
+    iface: str = "auto"
+    """Network interface for gloo and NCCL on every node (GLOO_/NCCL_SOCKET_IFNAME); auto: the one
+    carrying the node's own address (see ``launch/network.py``)."""
     max_requeues: int = 10
     """Requeues (time limit or preemption) before the launcher gives up."""
 
@@ -159,7 +162,7 @@ def rollout_overrides(engine_urls: list[str], router_url: str | None) -> list[st
 
 
 def trainer_argv(plan: LaunchPlan, *, python: str, node_rank: int, master_addr: str, master_port: int,
-                 layout_overrides: list[str], wait_for: list[str]) -> list[str]:
+                 layout_overrides: list[str], wait_for: list[str], local_addr: str | None = None) -> list[str]:
     """torchrun on one trainer node; each rank waits for ``wait_for`` (/health), then runs
     ``sao-megatron train ... --resume auto`` (see ``train_entry``)."""
     sets = [a for item in plan.overrides + layout_overrides for a in ("--set", item)]
@@ -168,6 +171,7 @@ def trainer_argv(plan: LaunchPlan, *, python: str, node_rank: int, master_addr: 
             f"--nnodes={plan.nodes_train}", f"--nproc-per-node={procs_per_node(plan)}",
             f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}",
             f"--shutdown-timeout={plan.shutdown_timeout_s}",
+            *([f"--local-addr={local_addr}"] if local_addr else []),  # else torchrun asks getfqdn()
             "-m", "sao_megatron.launch.train_entry", *waits, "--",
             "train", "--config", plan.config, "--run-dir", plan.run_dir, "--resume", "auto", *sets]
 

@@ -1,7 +1,7 @@
 """What runs on one node of a launched allocation (sbatch script and submitit job alike).
 
-``python -m sao_megatron.launch.node train|rollout --config X.yaml --run-dir D [layout flags]``
-is started by ``srun`` on each trainer node / rollout node. It reads the allocation from
+``sao-megatron node train|rollout --config X.yaml --run-dir D [layout flags]`` (also
+``python -m sao_megatron.launch.node``) is started by ``srun`` on each trainer node / rollout node. It reads the allocation from
 ``SLURM_JOB_ID``, ``SLURM_JOB_NODELIST`` and ``SLURM_NODEID`` (the node's index within its
 step), then:
 
@@ -21,6 +21,11 @@ torchrun). On trainer nodes the runner ignores signals and becomes the child sub
 it outlives every rank: an exiting task ends the step and would kill a rank mid-checkpoint.
 Engines start with SIGUSR1/SIGUSR2 ignored: a signal aimed at the trainer must never take a
 server down.
+
+Network. Every address comes from Slurm's ``NodeAddr`` of the node (never loopback): the
+rendezvous on trainer node 0's address, each engine and the router bound to their rollout
+node's address. Every process a runner starts gets ``GLOO_SOCKET_IFNAME`` and
+``NCCL_SOCKET_IFNAME`` from ``--iface`` (``launch/network.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 import psutil
 
 from sao_megatron.launch import layout as lp
+from sao_megatron.launch import network
 from sao_megatron.launch.layout import LaunchPlan
 from sao_megatron.rollout.health import wait_healthy
 
@@ -84,6 +90,14 @@ def endpoints(plan: LaunchPlan, alloc: Allocation) -> tuple[list[str], str | Non
     return urls, router
 
 
+def node_env(plan: LaunchPlan, alloc: Allocation, own_addr: str) -> dict[str, str]:
+    """This process's environment plus the interface for gloo/NCCL (ValueError if there is none)."""
+    network.check_reachable(alloc.train_addrs + alloc.rollout_addrs)
+    iface = network.select_iface(plan.iface, own_addr)
+    log.info("node %s: gloo and NCCL use interface %s", own_addr, iface)
+    return {**os.environ, **network.iface_env(iface)}
+
+
 def _ignore_checkpoint_signals() -> None:  # runs in the child between fork and exec
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
@@ -118,12 +132,14 @@ def run_trainer_node(plan: LaunchPlan, alloc: Allocation, node_rank: int, *,
     argv = lp.trainer_argv(plan, python=sys.executable, node_rank=node_rank, master_addr=alloc.train_addrs[0],
                            master_port=alloc.port_base + lp.MASTER_PORT_OFFSET,
                            layout_overrides=lp.rollout_overrides(engine_urls, router_url),
-                           wait_for=engine_urls + ([router_url] if router_url else []))
+                           wait_for=engine_urls + ([router_url] if router_url else []),
+                           local_addr=alloc.train_addrs[node_rank])
+    env = node_env(plan, alloc, alloc.train_addrs[node_rank])
     log.info("trainer node %d: %s", node_rank, " ".join(argv))
     _become_subreaper()
     others = {c.pid for c in psutil.Process().children()}
     # torchrun would die on a stray SIGUSR1 and the step would take the ranks down with it.
-    proc = subprocess.Popen(argv, preexec_fn=_ignore_checkpoint_signals)
+    proc = subprocess.Popen(argv, env=env, preexec_fn=_ignore_checkpoint_signals)
     if checkpoint_file is not None:
         threading.Thread(target=_forward_checkpoint_request, args=(proc, checkpoint_file), daemon=True,
                          name="checkpoint-request").start()
@@ -188,10 +204,11 @@ def run_rollout_node(plan: LaunchPlan, alloc: Allocation, node_index: int, *, st
     rollout = load_config(plan.config, plan.overrides, check=False).rollout
     per_node = lp.engines_per_node(plan)
     host = alloc.rollout_addrs[node_index]
+    env = node_env(plan, alloc, host)
     mine = lp.engine_endpoints(alloc.rollout_addrs, alloc.port_base, per_node)[node_index * per_node:][:per_node]
     procs = [_start(lp.engine_argv(plan, python=sys.executable, model_dir=model_dir, host=host, port=port,
                                    local_index=k, return_routed_experts=rollout.return_routed_experts,
-                                   api_key=rollout.api_key))
+                                   api_key=rollout.api_key), env=env)
              for k, (_, port) in enumerate(mine)]
     try:
         engine_urls, router_url = endpoints(plan, alloc)
@@ -202,7 +219,7 @@ def run_rollout_node(plan: LaunchPlan, alloc: Allocation, node_index: int, *, st
             argv = lp.router_argv(python=sys.executable, host=rhost, port=rport, worker_urls=engine_urls,
                                   model_dir=model_dir, request_timeout_s=rollout.request_timeout_s,
                                   api_key=rollout.api_key)
-            procs.append(_start(argv, env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")))
+            procs.append(_start(argv, env=dict(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")))
         return _serve(procs, stop, stop_file)
     finally:
         _stop_all(procs)
@@ -247,6 +264,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="sglang-router in front of the engines (auto: with more than one engine)")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=int, default=600,
                    help="seconds ranks get to finish a checkpoint after a signal (default 600)")
+    p.add_argument("--iface", default=network.AUTO,
+                   help="network interface for gloo and NCCL on every node, e.g. eth0 or ib0 (sets "
+                        "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME; default auto: the interface that "
+                        "carries the node's Slurm NodeAddr)")
 
 
 def plan_from_args(args: argparse.Namespace, **extra) -> LaunchPlan:
@@ -256,20 +277,27 @@ def plan_from_args(args: argparse.Namespace, **extra) -> LaunchPlan:
                       procs_per_node=args.procs_per_node, gpus_per_engine=args.gpus_per_engine,
                       server=args.server, engine_model_dir=args.engine_model_dir,
                       engine_args=list(args.engine_args), router=args.router,
-                      shutdown_timeout_s=args.shutdown_timeout_s, **extra)
+                      shutdown_timeout_s=args.shutdown_timeout_s, iface=args.iface, **extra)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sao_megatron.launch.node",
-                                     description="Run this node's part of a launched layout (called by srun).")
-    parser.add_argument("role", choices=["train", "rollout"])
-    add_plan_args(parser)
-    parser.add_argument("--stop-file", type=pathlib.Path, default=None,
-                        help="rollout: shut the engines down once this file exists")
-    parser.add_argument("--checkpoint-file", type=pathlib.Path, default=None,
-                        help="train: SIGUSR1 to the ranks (checkpoint and exit) once this file exists")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s launch.node: %(message)s")
+def _add_node_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("role", choices=["train", "rollout"])
+    add_plan_args(p)
+    p.add_argument("--stop-file", type=pathlib.Path, default=None,
+                   help="rollout: shut the engines down once this file exists")
+    p.add_argument("--checkpoint-file", type=pathlib.Path, default=None,
+                   help="train: SIGUSR1 to the ranks (checkpoint and exit) once this file exists")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``sao-megatron node``: what slurm/sao_rl.sbatch runs on each node through srun."""
+    p = sub.add_parser("node", help="run this node's part of a launched layout (called by srun)",
+                       description="Run this node's part of a launched layout (called by srun).")
+    _add_node_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     alloc = allocation_from_slurm(plan)
     index = int(os.environ.get("SLURM_NODEID", "0"))
@@ -286,6 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     return run_rollout_node(plan, alloc, index, stop=stop, stop_file=args.stop_file)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sao_megatron.launch.node",
+                                     description="Run this node's part of a launched layout (called by srun).")
+    _add_node_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s launch.node: %(message)s")
+    return run(args)
 
 
 if __name__ == "__main__":

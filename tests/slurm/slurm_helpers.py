@@ -29,22 +29,51 @@ TINY_OVERRIDES = {
 def write_tiny_config(path: pathlib.Path, **sections: dict) -> pathlib.Path:
     """configs/experiments/tiny_cpu.yaml with the test's shorter schedule (``sections`` override it)."""
     tree = {"_base_": str(REPO / "configs" / "experiments" / "tiny_cpu.yaml")}
-    for name, values in TINY_OVERRIDES.items():
-        tree[name] = {**values, **sections.get(name, {})}
+    for name in {**TINY_OVERRIDES, **sections}:
+        tree[name] = {**TINY_OVERRIDES.get(name, {}), **sections.get(name, {})}
     path.write_text(json.dumps(tree))  # JSON is YAML
     return path
 
 
 def submit_sbatch(run_dir: pathlib.Path, config: pathlib.Path, *extra: str, nodes: int = 2,
-                  env: dict[str, str] | None = None) -> str:
+                  env: dict[str, str] | None = None, sbatch_args: tuple[str, ...] = ()) -> str:
     """Submit slurm/sao_rl.sbatch (1 rollout node, the rest trainer) from the repo root; returns the job id."""
     run_dir.mkdir(parents=True, exist_ok=True)  # Slurm opens --output but creates no directories
     job_env = {**os.environ, "CONFIG": str(config), "RUN_DIR": str(run_dir), "NODES_ROLLOUT": "1",
                "PYTHON": sys.executable, **(env or {})}
-    out = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", "--time=20",
+    out = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", "--time=20", *sbatch_args,
                           f"--output={run_dir}/slurm-%j.out", str(SBATCH), *extra],
                          cwd=REPO, env=job_env, capture_output=True, text=True, timeout=60, check=True)
     return out.stdout.strip().split(";")[0]
+
+
+# The multi-host layout: trainer nodes 0-1 run torchrun with 2 ranks each, TP2 inside a node x DP2
+# across the two nodes (gloo between them); the last node runs the engine and the router.
+MULTIHOST_NODES = 3
+MULTIHOST_ENV = {"PROCS_PER_NODE": "2", "ROUTER": "sglang_router"}
+MULTIHOST_PARALLEL = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+
+
+def write_multihost_config(path: pathlib.Path, **sections: dict) -> pathlib.Path:
+    return write_tiny_config(path, parallel=MULTIHOST_PARALLEL, **sections)
+
+
+def submit_multihost(run_dir: pathlib.Path, config: pathlib.Path, env: dict[str, str] | None = None) -> str:
+    return submit_sbatch(run_dir, config, nodes=MULTIHOST_NODES, env={**MULTIHOST_ENV, **(env or {})})
+
+
+def node_addrs() -> dict[str, str]:
+    """NodeName -> NodeAddr of every node of the cluster."""
+    out = subprocess.run(["scontrol", "show", "node", "-o"], capture_output=True, text=True, check=True, timeout=60)
+    fields = [dict(t.split("=", 1) for t in line.split() if "=" in t) for line in out.stdout.splitlines()]
+    return {f["NodeName"]: f["NodeAddr"] for f in fields if "NodeName" in f}
+
+
+def job_nodes(info: dict[str, str]) -> list[str]:
+    """The job's nodes in ``scontrol show hostnames`` order (the layout's order)."""
+    out = subprocess.run(["scontrol", "show", "hostnames", info["NodeList"]], capture_output=True, text=True,
+                         check=True, timeout=60)
+    return out.stdout.split()
 
 
 def job_info(job_id: str) -> dict[str, str]:

@@ -1,4 +1,6 @@
-"""slurm/sao_rl.sbatch on the emulated cluster: 1 trainer node + 1 rollout node (embedded engine)."""
+"""slurm/sao_rl.sbatch on the emulated cluster, each node with its own address: 2 trainer nodes
+(torchrun, 2 ranks each: TP2 inside a node x DP2 across nodes, gloo between them) + 1 rollout node
+(embedded engine + sglang-router)."""
 
 from __future__ import annotations
 
@@ -7,44 +9,99 @@ import subprocess
 
 import pytest
 
-from slurm_helpers import (FINAL_STATES, TINY_OVERRIDES, assert_exactly_once, assert_run_complete,
-                           latest_checkpoint, submit_sbatch, wait_for, wait_for_state, write_tiny_config)
+from slurm_helpers import (FINAL_STATES, TINY_OVERRIDES, assert_exactly_once, assert_run_complete, job_nodes,
+                           latest_checkpoint, node_addrs, submit_multihost, wait_for, wait_for_state,
+                           write_multihost_config)
+from sockets import SocketMonitor, loopback_uses
 
 pytestmark = pytest.mark.slurm
 
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory, slurm_cluster):
-    """The tiny job submitted once, without engine weights (the job builds them): (run dir, job id, info)."""
+    """The job submitted once, without engine weights (the job builds them), its sockets sampled on
+    every node while it runs: (run dir, job id, info, monitor)."""
     root = tmp_path_factory.mktemp("plain")
     run_dir = root / "run"
-    job_id = submit_sbatch(run_dir, write_tiny_config(root / "tiny.yaml"))
+    job_id = submit_multihost(run_dir, write_multihost_config(root / "tiny.yaml"))
     try:
-        info = wait_for_state(job_id, FINAL_STATES, timeout_s=600)
+        with SocketMonitor([job_id]) as monitor:
+            info = wait_for_state(job_id, FINAL_STATES, timeout_s=900)
     finally:
         subprocess.run(["scancel", job_id], check=False, timeout=60)
-    return run_dir, job_id, info
+    return run_dir, job_id, info, monitor
 
 
-def test_tiny_cpu_job_completes_on_two_nodes(plain_run):
-    run_dir, job_id, info = plain_run
+def layout_addrs(info) -> tuple[list[str], str]:
+    """(trainer node addresses, rollout node address) of the job, from Slurm's NodeAddr."""
+    addrs = node_addrs()
+    nodes = [addrs[n] for n in job_nodes(info)]
+    return nodes[:2], nodes[2]
+
+
+def test_tiny_cpu_job_completes_on_three_nodes(plain_run):
+    run_dir, job_id, info, _ = plain_run
     assert info["JobState"] == "COMPLETED", (run_dir / f"slurm-{job_id}.out").read_text()
-    assert info["NumNodes"] == "2" and info["Restarts"] == "0"
+    assert info["NumNodes"] == "3" and info["Restarts"] == "0"
     state = assert_run_complete(run_dir, TINY_OVERRIDES["run"]["num_steps"])
     assert_exactly_once(run_dir, state)
-    # The trainer (node 0) talked to the engine on the rollout node (node 1), not to engines of its own;
-    # without model.hf_dir the job built the engines' start weights itself.
+    # The trainer talked to the router on the rollout node through that node's own address; the
+    # rendezvous is on trainer node 0's address; without model.hf_dir the job built the engines' weights.
+    (train0, train1), rollout = layout_addrs(info)
     train_log = (run_dir / "logs" / f"train-{job_id}-0.log").read_text()
-    assert re.search(r'rollout\.engine_urls=\["http://127\.0\.0\.1:\d+"\]', train_log)
+    assert re.search(rf'rollout\.engine_urls=\["http://{re.escape(rollout)}:\d+"\]', train_log)
+    assert f"rollout.router_url=http://{rollout}:" in train_log
+    for node in (0, 1):
+        log = (run_dir / "logs" / f"train-{job_id}-{node}.log").read_text()
+        assert f"--master-addr={train0} " in log and f"--local-addr={(train0, train1)[node]} " in log
+        # TP inside the node, DP across the nodes: node 1 holds DP rank 1 of both TP ranks.
+        assert sorted(re.findall(r"tp (\d)/2 pp 0/1 ep 0/1 etp \d/2 dp (\d)/2", log)) == [("0", str(node)),
+                                                                                           ("1", str(node))]
     rollout_log = (run_dir / "logs" / f"rollout-{job_id}-0.log").read_text()
     assert "serve-local --model-dir " + str(run_dir / "launch" / "engine_init") in rollout_log
+
+
+def test_it_learns(plain_run):
+    """The supervised warm-up runs through the same TP2 x DP2 update: its loss drops on the same batches'
+    distribution (4.84 -> 4.37 measured; ln(128) = 4.85 at random initialisation)."""
+    run_dir, job_id, _, _ = plain_run
+    log = (run_dir / "logs" / f"train-{job_id}-0.log").read_text()
+    losses = [float(x) for x in re.findall(r"supervised warm-up \d+/\d+: loss ([\d.]+)", log)]
+    assert len(losses) == TINY_OVERRIDES["run"]["sft_steps"], log[-3000:]
+    assert losses[-1] < 0.95 * losses[0], losses
+
+
+def test_no_component_listens_on_or_dials_loopback(plain_run):
+    """Every socket of every process of the job, on every node: none on 127.0.0.1; gloo runs between the two
+    trainer nodes' addresses, the ranks reach the router on the rollout node, and every rank, engine and
+    router got GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME = the interface of its node address."""
+    run_dir, job_id, info, monitor = plain_run
+    socks = monitor.sockets
+    assert socks, "the monitor saw no socket of the job"
+    looped = loopback_uses(socks)
+    assert not looped, "\n".join(f"{s.node} {s.state} {s.local}->{s.remote} {s.cmd}" for s in looped)
+    (train0, train1), rollout = layout_addrs(info)
+    train_log = (run_dir / "logs" / f"train-{job_id}-0.log").read_text()
+    router = (rollout, int(re.search(rf"rollout\.router_url=http://{re.escape(rollout)}:(\d+)", train_log).group(1)))
+    ranks = [s for s in socks if "train_entry" in s.cmd and s.state == "ESTABLISHED"]
+    assert {(s.local[0], s.remote[0]) for s in ranks} >= {(train0, train1), (train1, train0)}  # gloo, both ways
+    assert {s.local[0] for s in ranks if s.remote == router} == {train0}  # rank 0 drives the rollouts
+    assert any(s.state == "LISTEN" and s.local == router for s in socks)
+    iface = "lo" if train0.startswith("127.") else "eth0"
+    nodes = dict(zip(job_nodes(info), ("train", "train", "rollout")))
+    started = {(nodes.get(node), "train_entry" if "train_entry" in cmd else "engine"): env
+               for (node, cmd), env in monitor.environ.items() if "train_entry" in cmd or "serve-local" in cmd}
+    assert set(started) == {("train", "train_entry"), ("rollout", "engine")}, list(monitor.environ)
+    for (node, cmd), env in monitor.environ.items():
+        if "train_entry" in cmd or "serve-local" in cmd or "launch_router" in cmd:
+            assert env == {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface}, (node, cmd)
 
 
 def test_engines_generate_with_the_trainers_weights_from_the_start(plain_run):
     """Engines on rollout nodes start from their own weights (here random ones); the trainer must load
     its version-0 export into them before the first rollout, or version-0 samples come from another
     policy (and after a requeue, from the start weights instead of the resumed actor)."""
-    run_dir, job_id, info = plain_run
+    run_dir, job_id, info, _ = plain_run
     rollout_log = (run_dir / "logs" / f"rollout-{job_id}-0.log").read_text()
     first_update = re.search(r"weights updated from \S+/weights/v(\d+)", rollout_log)
     assert first_update and int(first_update.group(1)) == 0, (
@@ -57,9 +114,9 @@ def test_time_limit_then_preemption_resume_exactly_once(tmp_path, engine_dir, jo
     the trainer checkpoints, exits and the job requeues itself. Run 1 is requeued from outside
     (`scontrol requeue`, SIGTERM everywhere). Run 2 finishes; no prompt is lost or trained twice."""
     num_steps = 16  # long enough that both interruptions land mid-run
-    config = write_tiny_config(tmp_path / "tiny.yaml", run={"num_steps": num_steps})
+    config = write_multihost_config(tmp_path / "tiny.yaml", run={"num_steps": num_steps})
     run_dir = tmp_path / "run"
-    jobs.append(job_id := submit_sbatch(run_dir, config, env={"ENGINE_MODEL_DIR": str(engine_dir)}))
+    jobs.append(job_id := submit_multihost(run_dir, config, env={"ENGINE_MODEL_DIR": str(engine_dir)}))
     train_log = run_dir / "logs" / f"train-{job_id}-0.log"
 
     wait_for(lambda: latest_checkpoint(run_dir) is not None, timeout_s=600, what="the first checkpoint")
