@@ -8,19 +8,25 @@ between layouts that agree on EP > 1 vs EP = 1 (Megatron's optimizer chain).
 
 Every rank must call these collectively. Entry scripts need an
 ``if __name__ == "__main__":`` guard: saving starts a multiprocessing manager.
+
+Files are CRC-32'd while they are written (``manifest.hashing_writes``); :class:`CheckpointSaves`
+runs saves synchronously or with megatron-core's async dist-checkpointing, and runs the
+publishing step (manifest, rename) only once the files are complete.
 """
 
 from __future__ import annotations
 
 import logging
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+from sao_megatron.training.manifest import hashing_writes
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +62,13 @@ def sharded_model_state(model_chunks: Sequence[torch.nn.Module], exclude: Sequen
 
 
 def save_checkpoint(path: str | pathlib.Path, model_chunks: Sequence[torch.nn.Module], optimizer=None,
-                    extra: dict[str, Any] | None = None) -> None:
-    """Save model chunks (+ optimizer state, + ``extra``: rank-0 picklable objects) to a new directory."""
+                    extra: dict[str, Any] | None = None, *, saves: CheckpointSaves | None = None) -> None:
+    """Save model chunks (+ optimizer state, + ``extra``: rank-0 picklable objects) to a new directory.
+
+    With ``saves`` in async mode the tensors are staged (to host memory on GPU; on CPU the forked
+    writer's copy-on-write snapshot) and written in the background: the files are complete only
+    after ``saves.wait()`` / a ``saves.poll()`` that finalizes them.
+    """
     path = pathlib.Path(path)
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
@@ -69,9 +80,61 @@ def save_checkpoint(path: str | pathlib.Path, model_chunks: Sequence[torch.nn.Mo
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=OPTIMIZER_SHARDING)
     if extra is not None:
         state["extra"] = extra
-    dist_checkpointing.save(state, str(path))
+    with hashing_writes():
+        if saves is not None and saves.async_save:
+            saves.schedule(dist_checkpointing.save(state, str(path), async_sharded_save=True,
+                                                   async_strategy="mcore"), path)
+        else:
+            dist_checkpointing.save(state, str(path))
+            logger.info("saved checkpoint %s", path)
     dist.barrier()
-    logger.info("saved checkpoint %s", path)
+
+
+class CheckpointSaves:
+    """Checkpoint saves in flight, synchronous or asynchronous (``checkpoint.async_save``).
+
+    Async mode uses megatron-core's own async dist-checkpointing (``async_strategy="mcore"``, a
+    writer process forked per save; NVIDIA's resiliency extension is not a dependency). Collective:
+    every rank calls ``schedule``/``then``/``poll``/``wait`` in the same order.
+    """
+
+    def __init__(self, *, async_save: bool):
+        self.async_save = async_save
+        self._queue = None
+        self._last_idx = -1
+        self._done_idx = -1
+        self._then: list[tuple[int, Callable[[], None]]] = []
+
+    def schedule(self, request, path: pathlib.Path) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        if self._queue is None:
+            self._queue = AsyncCallsQueue(persistent=False)  # forked per save: inherits the hashing hook
+        request.add_finalize_fn(lambda: logger.info("saved checkpoint %s (async)", path))
+        self._last_idx = self._queue.schedule_async_request(request)
+
+    @property
+    def pending(self) -> int:
+        return 0 if self._queue is None else self._queue.get_num_unfinalized_calls()
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run collective ``fn`` once every save scheduled so far has finished (now if none is pending)."""
+        if self.pending == 0:
+            fn()
+        else:
+            self._then.append((self._last_idx, fn))
+
+    def poll(self, *, blocking: bool = False) -> None:
+        """Finalize the saves that finished (all of them, waiting, with ``blocking``); run their ``then``."""
+        if self._queue is None:
+            return
+        done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+        self._done_idx = max([self._done_idx, *done])
+        while self._then and self._then[0][0] <= self._done_idx:
+            self._then.pop(0)[1]()
+
+    def wait(self) -> None:
+        self.poll(blocking=True)
 
 
 def load_checkpoint(path: str | pathlib.Path, model_chunks: Sequence[torch.nn.Module], optimizer=None, *,
@@ -127,3 +190,16 @@ def _ensure_optimizer_state(optimizer) -> None:
         for group in inner.param_groups:
             for p in group["params"]:
                 inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
+def publish_checkpoint(part_dir: str | pathlib.Path, commit: Callable[[], Any]) -> None:
+    """Collective, once the files of ``part_dir`` are complete (``CheckpointSaves.then``): rank 0
+    writes ``manifest.json`` (the last file) and publishes the directory with ``commit``."""
+    if dist.get_rank() == 0:
+        from sao_megatron.training.manifest import write_manifest
+
+        manifest = write_manifest(part_dir)
+        logger.info("manifest of %s: %d files, %.1f MB", part_dir, len(manifest["files"]),
+                    manifest["total_bytes"] / 1e6)
+        commit()
+    dist.barrier()
