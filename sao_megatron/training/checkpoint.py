@@ -65,9 +65,10 @@ def save_checkpoint(path: str | pathlib.Path, model_chunks: Sequence[torch.nn.Mo
                     extra: dict[str, Any] | None = None, *, saves: CheckpointSaves | None = None) -> None:
     """Save model chunks (+ optimizer state, + ``extra``: rank-0 picklable objects) to a new directory.
 
-    With ``saves`` in async mode the tensors are staged (to host memory on GPU; on CPU the forked
-    writer's copy-on-write snapshot) and written in the background: the files are complete only
-    after ``saves.wait()`` / a ``saves.poll()`` that finalizes them.
+    With ``saves`` in async mode the tensors are staged now (to host memory on GPU; on CPU the
+    forked writer's copy-on-write snapshot) and written in the background from the next
+    ``saves.then``: the files are complete only after ``saves.wait()`` / a ``saves.poll()`` that
+    finalizes them.
     """
     path = pathlib.Path(path)
     if dist.get_rank() == 0:
@@ -82,8 +83,8 @@ def save_checkpoint(path: str | pathlib.Path, model_chunks: Sequence[torch.nn.Mo
         state["extra"] = extra
     with hashing_writes():
         if saves is not None and saves.async_save:
-            saves.schedule(dist_checkpointing.save(state, str(path), async_sharded_save=True,
-                                                   async_strategy="mcore"), path)
+            saves.add(dist_checkpointing.save(state, str(path), async_sharded_save=True,
+                                              async_strategy="mcore"), path)
         else:
             dist_checkpointing.save(state, str(path))
             logger.info("saved checkpoint %s", path)
@@ -94,31 +95,55 @@ class CheckpointSaves:
     """Checkpoint saves in flight, synchronous or asynchronous (``checkpoint.async_save``).
 
     Async mode uses megatron-core's own async dist-checkpointing (``async_strategy="mcore"``, a
-    writer process forked per save; NVIDIA's resiliency extension is not a dependency). Collective:
-    every rank calls ``schedule``/``then``/``poll``/``wait`` in the same order.
+    writer process forked per save; NVIDIA's resiliency extension is not a dependency). Megatron
+    collects the writers' results through one queue per process, so two of its async saves must
+    not overlap: the parts saved before ``then`` (actor, critic) are staged at once and written
+    one after the other by a single forked writer. Collective: every rank calls
+    ``add``/``then``/``poll``/``wait`` in the same order.
     """
 
     def __init__(self, *, async_save: bool):
         self.async_save = async_save
         self._queue = None
-        self._last_idx = -1
-        self._done_idx = -1
+        self._batch: list[tuple[Any, ...]] = []
+        self._last_idx = self._done_idx = -1
         self._then: list[tuple[int, Callable[[], None]]] = []
 
-    def schedule(self, request, path: pathlib.Path) -> None:
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    def add(self, request, path: pathlib.Path) -> None:
+        """Stage ``request``'s tensors now (D2H, inside the caller's ``resident`` block) and queue its write."""
+        args = list(request.async_fn_args)
+        if request.preload_fn is not None:  # megatron's contract: argument 1 is the write buckets
+            args[1] = request.preload_fn()
+        self._batch.append((request.async_fn, tuple(args), dict(request.async_fn_kwargs),
+                            [*request.finalize_fns, lambda: logger.info("saved checkpoint %s (async)", path)]))
+
+    def _flush(self) -> None:
+        """Fork one writer for the staged parts (it inherits the hashing hook)."""
+        if not self._batch:
+            return
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+
+        batch, self._batch = self._batch, []
+
+        def write_all() -> None:
+            for fn, args, kwargs, _ in batch:
+                if fn is not None:
+                    fn(*args, **kwargs)
 
         if self._queue is None:
-            self._queue = AsyncCallsQueue(persistent=False)  # forked per save: inherits the hashing hook
-        request.add_finalize_fn(lambda: logger.info("saved checkpoint %s (async)", path))
-        self._last_idx = self._queue.schedule_async_request(request)
+            self._queue = AsyncCallsQueue(persistent=False)  # forked per save, not a spawned worker
+        request = AsyncRequest(write_all, (), [fin for *_, fins in batch for fin in fins])
+        with hashing_writes():
+            self._last_idx = self._queue.schedule_async_request(request)
 
     @property
     def pending(self) -> int:
         return 0 if self._queue is None else self._queue.get_num_unfinalized_calls()
 
     def then(self, fn: Callable[[], None]) -> None:
-        """Run collective ``fn`` once every save scheduled so far has finished (now if none is pending)."""
+        """Start writing the parts added so far; run collective ``fn`` once every save has finished
+        (now if none is pending)."""
+        self._flush()
         if self.pending == 0:
             fn()
         else:
@@ -126,6 +151,7 @@ class CheckpointSaves:
 
     def poll(self, *, blocking: bool = False) -> None:
         """Finalize the saves that finished (all of them, waiting, with ``blocking``); run their ``then``."""
+        self._flush()
         if self._queue is None:
             return
         done = self._queue.maybe_finalize_async_calls(blocking=blocking)
@@ -199,7 +225,21 @@ def publish_checkpoint(part_dir: str | pathlib.Path, commit: Callable[[], Any]) 
         from sao_megatron.training.manifest import write_manifest
 
         manifest = write_manifest(part_dir)
-        logger.info("manifest of %s: %d files, %.1f MB", part_dir, len(manifest["files"]),
+        final = commit()
+        logger.info("checkpoint %s: %d files, %.1f MB", final or part_dir, len(manifest["files"]),
                     manifest["total_bytes"] / 1e6)
-        commit()
     dist.barrier()
+
+
+def verify_checkpoint(path: str | pathlib.Path, *, checksums: bool = True) -> None:
+    """Collective: raise ``CorruptCheckpointError`` naming the files of ``path`` that do not match its
+    manifest. Sizes are checked on every rank; each rank reads the CRCs of its share of the files."""
+    from sao_megatron.training.manifest import check_checkpoint
+
+    def gather(problems: list[str]) -> list[str]:
+        everyone: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problems)
+        return list(dict.fromkeys(p for ps in everyone for p in ps or []))
+
+    check_checkpoint(path, checksums=checksums, gather=gather, rank=dist.get_rank(),
+                     world_size=dist.get_world_size())

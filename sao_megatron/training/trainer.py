@@ -26,10 +26,12 @@ from sao_megatron.errors import SaoError
 from sao_megatron.models.families import get_family
 from sao_megatron.scheduler.sample import Sample, collate
 from sao_megatron.training import rl_step
-from sao_megatron.training.checkpoint import load_checkpoint, save_checkpoint
+from sao_megatron.training.checkpoint import (CheckpointSaves, load_checkpoint, publish_checkpoint, save_checkpoint,
+                                              verify_checkpoint)
 from sao_megatron.training.collectives import any_rank, broadcast_object, gather_metrics, rank0_call
 from sao_megatron.training.distributed import init_distributed
 from sao_megatron.training.export import ExportPlan, iter_hf_tensors
+from sao_megatron.training.manifest import find_resumable
 from sao_megatron.training.metrics_log import MetricsLogger
 from sao_megatron.training.models import build_actor, build_critic
 from sao_megatron.training.offload import park, resident
@@ -66,6 +68,7 @@ class Trainer:
         self.export_plan = ExportPlan(self.actor.chunks, get_family(cfg.model.family).weight_map(cfg.model),
                                       bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+        self.saves = CheckpointSaves(async_save=cfg.checkpoint.async_save)
         self.step = self.version = self.nan_streak = 0
         self.rollout = None
         self.logger = (MetricsLogger(self.run_dir, cfg.logging, run_name=self.run_dir.name,
@@ -84,6 +87,8 @@ class Trainer:
 
             rank0_call(lambda: check_reachable(self.cfg.rollout))
             state = self._restore()
+            if self.rank0:  # metrics.jsonl / TensorBoard / wandb continue from the checkpoint's step
+                self.logger.resume_at(self.step)
             if state is None:
                 if self.rank0:  # a run killed before its first checkpoint starts over
                     (self.run_dir / "audit.jsonl").unlink(missing_ok=True)
@@ -96,13 +101,17 @@ class Trainer:
                 self._pretrain_critic()
             while self.step < self.cfg.run.num_steps:
                 self._log(self.train_step())
+                self.saves.poll()  # publishes a finished async checkpoint
                 if self._should_save() or any_rank(self._stop_signal is not None):
                     self.save()
                     if self._stop_signal is not None:
+                        self.saves.wait()
                         log.warning("signal %s: checkpointed at step %d, exiting", self._stop_signal, self.step)
                         return 0
+            self.saves.wait()
             if not self.ckpt.latest() or self.ckpt.latest() != self.ckpt.final_dir(self.step):
                 self.save()
+                self.saves.wait()
             if self.rank0:
                 self._summary()
             return 0
@@ -248,24 +257,23 @@ class Trainer:
 
     def save(self) -> None:
         """Collective: models + optimizers + trainer state into an atomic checkpoint directory."""
+        self.saves.wait()  # one checkpoint in flight at most (publishing prunes *.partial directories)
         part = self.ckpt.partial_dir(self.step)
         if self.rank0:
             self.ckpt.begin(self.step)
         dist.barrier()
         with resident(self.actor, offload=self.offload):
-            save_checkpoint(part / "actor", self.actor.chunks, self.actor.optimizer)
+            save_checkpoint(part / "actor", self.actor.chunks, self.actor.optimizer, saves=self.saves)
         if self.critic is not None:
             with resident(self.critic, offload=self.offload):
-                save_checkpoint(part / "critic", self.critic.chunks, self.critic.optimizer)
+                save_checkpoint(part / "critic", self.critic.chunks, self.critic.optimizer, saves=self.saves)
         (part / "rng").mkdir(exist_ok=True)
         torch.save(capture_rng(), part / "rng" / f"rank_{dist.get_rank()}.pt")
         if self.rank0:
             write_json_atomic(part / "trainer_state.json", self._trainer_state())
         dist.barrier()
-        if self.rank0:
-            self.ckpt.commit(self.step)
-            log.info("checkpoint step %d -> %s", self.step, self.ckpt.final_dir(self.step))
-        dist.barrier()
+        step = self.step  # manifest (written last) + atomic rename once the files are complete
+        self.saves.then(lambda: publish_checkpoint(part, lambda: self.ckpt.commit(step)))
 
     def _trainer_state(self) -> dict[str, Any]:
         return {"step": self.step, "version": self.version, "nan_streak": self.nan_streak,
@@ -303,17 +311,20 @@ class Trainer:
                                  "or choose a fresh --run-dir")
             return self._check_load(self.cfg.checkpoint.load)
         if self.resume == "auto":
-            return self.ckpt.latest() or self._check_load(self.cfg.checkpoint.load)
+            return find_resumable(self.ckpt.root, check=self._verify) or self._check_load(self.cfg.checkpoint.load)
         return self._check_load(self.resume)
 
-    @staticmethod
-    def _check_load(path: str | None) -> pathlib.Path | None:
+    def _verify(self, path: pathlib.Path) -> None:
+        verify_checkpoint(path, checksums=self.cfg.checkpoint.verify_checksums)
+
+    def _check_load(self, path: str | None) -> pathlib.Path | None:
         if path is None:
             return None
         p = pathlib.Path(path)
         if not (p / "trainer_state.json").is_file():
             raise ValueError(f"{p} is not a sao-megatron checkpoint (no trainer_state.json); pass a "
                              "RUN_DIR/checkpoints/step_N directory")
+        self._verify(p)  # a corrupt explicit checkpoint fails here, naming its file
         return p
 
     # ------------------------------------------------------------------ logging, audit, signals

@@ -58,6 +58,7 @@ def main(out_path: str, workdir: str) -> None:
     saves = CheckpointSaves(async_save=True)
     at_save = params(chunks)
     save_checkpoint(f"{workdir}/async/actor", chunks, opt, saves=saves)
+    save_checkpoint(f"{workdir}/async/critic", chunks, opt, saves=saves)  # two parts, one writer (as the trainer)
     saves.then(lambda: publish_checkpoint(f"{workdir}/async", lambda: out.setdefault("published_pending", saves.pending)))
     out["pending_after_schedule"] = saves.pending
     out["manifest_before_wait"] = os.path.exists(f"{workdir}/async/manifest.json")
@@ -68,15 +69,16 @@ def main(out_path: str, workdir: str) -> None:
     saves.wait()
     out["pending_after_wait"] = saves.pending
 
-    fresh = build_model_chunks(tiny, ctx)
-    _, fresh_opt, _ = setup_optimizer(fresh, OptimizerConfig(lr=1e-2), ctx, total_steps=4)
-    with torch.no_grad():
-        for p in fresh[0].parameters():
-            p.zero_()
-    load_checkpoint(f"{workdir}/async/actor", fresh, fresh_opt)
-    loaded = params(fresh)
-    out["async_loaded_vs_at_save"] = max_diff(loaded, at_save)
-    out["async_loaded_vs_changed"] = max_diff(loaded, changed)
+    for part in ("actor", "critic"):
+        fresh = build_model_chunks(tiny, ctx)
+        _, fresh_opt, _ = setup_optimizer(fresh, OptimizerConfig(lr=1e-2), ctx, total_steps=4)
+        with torch.no_grad():
+            for p in fresh[0].parameters():
+                p.zero_()
+        load_checkpoint(f"{workdir}/async/{part}", fresh, fresh_opt)
+        loaded = params(fresh)
+        out[f"async_{part}_vs_at_save"] = max_diff(loaded, at_save)
+        out[f"async_{part}_vs_changed"] = max_diff(loaded, changed)
     out["num_params"] = len(loaded)
     with open(out_path, "w") as f:
         json.dump(out, f, indent=1)
