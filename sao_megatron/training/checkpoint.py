@@ -233,7 +233,7 @@ def publish_checkpoint(part_dir: str | pathlib.Path, commit: Callable[[], Any]) 
 
 def verify_checkpoint(path: str | pathlib.Path, *, checksums: bool = True) -> None:
     """Collective: raise ``CorruptCheckpointError`` naming the files of ``path`` that do not match its
-    manifest. Sizes are checked on every rank; each rank reads the CRCs of its share of the files."""
+    manifest. Each rank checks the sizes and CRCs of its share of the files."""
     from sao_megatron.training.manifest import check_checkpoint
 
     def gather(problems: list[str]) -> list[str]:

@@ -174,8 +174,8 @@ def read_manifest(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
 
 def verify_manifest(ckpt_dir: str | os.PathLike, *, checksums: bool = True, rank: int = 0,
                     world_size: int = 1) -> list[str]:
-    """Problems found in ``ckpt_dir`` (empty: complete). Sizes of every file are checked (stat);
-    the CRCs of files ``i % world_size == rank`` are (each rank reads its share once)."""
+    """Problems found in ``ckpt_dir`` (empty: complete), among the files ``i % world_size == rank``
+    (each rank checks its share: sizes by stat, CRCs by reading the file once)."""
     ckpt_dir = pathlib.Path(ckpt_dir)
     try:
         files = read_manifest(ckpt_dir)["files"]
@@ -183,12 +183,14 @@ def verify_manifest(ckpt_dir: str | os.PathLike, *, checksums: bool = True, rank
         return [str(exc)]
     problems = []
     for i, (rel, entry) in enumerate(sorted(files.items())):
+        if i % world_size != rank:
+            continue
         path = ckpt_dir / rel
         if not path.is_file():
             problems.append(f"{path} is missing")
         elif (size := path.stat().st_size) != entry["size"]:
             problems.append(f"{path} has {size} bytes, the manifest says {entry['size']} (truncated or altered)")
-        elif checksums and entry["crc32"] and i % world_size == rank and _crc_of_file(path) != entry["crc32"]:
+        elif checksums and entry["crc32"] and _crc_of_file(path) != entry["crc32"]:
             problems.append(f"{path}: CRC-32 differs from the manifest (the file is corrupt)")
     return problems
 

@@ -77,7 +77,7 @@ def test_truncated_file_is_named(saved, tmp_path):
         check_checkpoint(ckpt)
 
 
-def test_flipped_byte_is_caught_by_the_crc_and_only_by_the_rank_that_reads_it(saved, tmp_path):
+def test_flipped_byte_is_caught_by_the_crc_of_the_one_rank_that_checks_the_file(saved, tmp_path):
     ckpt = copy_of(saved, tmp_path)
     data = distcp(ckpt)
     raw = bytearray(data.read_bytes())
@@ -87,7 +87,7 @@ def test_flipped_byte_is_caught_by_the_crc_and_only_by_the_rank_that_reads_it(sa
     assert len(problems) == 1 and str(data) in problems[0] and "CRC" in problems[0]
     assert verify_manifest(ckpt, checksums=False) == []
     per_rank = [verify_manifest(ckpt, rank=r, world_size=3) for r in range(3)]
-    assert sorted(len(p) for p in per_rank) == [0, 0, 1]  # each file's CRC is read by exactly one rank
+    assert sorted(len(p) for p in per_rank) == [0, 0, 1]  # each file is checked by exactly one rank
 
 
 def test_missing_file_and_missing_manifest(saved, tmp_path):
