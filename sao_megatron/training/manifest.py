@@ -14,9 +14,14 @@ Files written outside the hooked path (``metadata.json``, ``.metadata``, ``train
 RNG states: kilobytes to megabytes) are hashed by reading them once; a large file without a
 write-time digest gets its size only, with a warning.
 
-:func:`verify_manifest` checks sizes (stat only) and, split across ranks, the CRCs; the first
-problem names the file. :func:`find_resumable` walks ``step_N`` directories newest first and
-returns the first complete one.
+:func:`verify_manifest` checks each file's size (stat) and CRC, split across ranks (each file is
+read by one rank); every problem names its file. :func:`find_resumable` walks ``step_N``
+directories newest first and returns the first complete one.
+
+The hook replaces a module attribute of megatron-core for the duration of a save (restored on
+exit). If a megatron-core upgrade stops opening files through it, nothing breaks: the data files
+are then hashed by reading (or get sizes only above ``READ_HASH_LIMIT``), and the component test
+that requires ``"hashed": "write"`` for every ``.distcp`` file fails.
 """
 
 from __future__ import annotations
