@@ -315,6 +315,12 @@ class CheckpointConfig:
     """Checkpoints kept (older ones deleted after a successful save)."""
     load: str | None = None
     """Checkpoint directory to start from (fresh run dir)."""
+    async_save: bool = False
+    """Write checkpoints in the background (megatron-core async dist-checkpointing): training continues
+    while a forked writer saves; the checkpoint is published (manifest, ``latest``) once it finishes."""
+    verify_checksums: bool = True
+    """On resume, check every file's CRC-32 against the manifest (reads the checkpoint once, split across
+    ranks); False checks the sizes only."""
 
 
 @cfg

@@ -2,6 +2,12 @@
 
 ``metrics.jsonl`` is the source of truth (one JSON object per trainer step);
 ``sao-megatron report`` plots from it. wandb runs offline unless configured.
+
+Resume: :meth:`MetricsLogger.resume_at` rolls the sinks back to a checkpoint's step. Rows of
+steps that will be trained again leave ``metrics.jsonl``; TensorBoard reopens with
+``purge_step`` (its readers hide the older events at and after that step); wandb cannot rewind,
+so steps it already received are not sent again (``wandb_last_step`` in the run directory keeps
+the highest one across restarts).
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import pathlib
 from typing import Any
 
@@ -47,10 +54,7 @@ class MetricsLogger:
         self.path = self.run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self._tb = self._wandb = None
-        if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self._wandb_last = -1  # steps up to here were sent to wandb before a resume
         if cfg.wandb and cfg.wandb_mode != "disabled":
             import wandb
 
@@ -58,15 +62,49 @@ class MetricsLogger:
                                      mode=cfg.wandb_mode, config=config_dict or {}, resume="allow",
                                      id=run_name.replace("/", "_"))
 
+    def _tensorboard(self, purge_step: int | None = None):
+        """The TensorBoard writer, opened on first use (a resume opens it with ``purge_step``)."""
+        if self._tb is None and self.cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge_step)
+        return self._tb
+
+    def resume_at(self, step: int) -> None:
+        """Continue the run from a checkpoint taken after ``step`` trainer steps (0: from scratch).
+
+        Rows logged under steps >= ``step`` are dropped from metrics.jsonl (they are trained
+        again); TensorBoard purges its events from ``step`` on; wandb skips steps it already has.
+        """
+        rows = [ln for ln in self.path.read_text().splitlines() if ln.strip()] if self.path.is_file() else []
+        steps = [json.loads(ln)["step"] for ln in rows]
+        self._file.close()
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(ln + "\n" for ln, s in zip(rows, steps) if s < step))
+        os.replace(tmp, self.path)
+        self._file = self.path.open("a")
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self.cfg.tensorboard and (self.run_dir / "tensorboard").is_dir():
+            self._tensorboard(purge_step=step)
+        if self._wandb is not None:
+            mark = self.run_dir / "wandb_last_step"
+            self._wandb_last = max([self._wandb_last, *steps, int(mark.read_text()) if mark.is_file() else -1])
+            mark.write_text(f"{self._wandb_last}\n")
+        if any(s >= step for s in steps):
+            log.info("metrics: dropped %d rows of steps >= %d (trained again after the resume)",
+                     sum(s >= step for s in steps), step)
+
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if self._tb is not None:
+        if (tb := self._tensorboard()) is not None:
             for k, v in scalars.items():
-                self._tb.add_scalar(k, v, step)
-        if self._wandb is not None:
+                tb.add_scalar(k, v, step)
+        if self._wandb is not None and step > self._wandb_last:
             self._wandb.log(scalars, step=step)
         if self.cfg.log_interval and step % self.cfg.log_interval == 0:
             log.info(format_console(step, record))

@@ -121,9 +121,14 @@ class RunState:
     """Everything that survives a restart: checkpoints (models, optimizers, LR schedules, trainer
     state, RNG) and the audit of trained samples. Collective methods run on every rank."""
 
-    def __init__(self, run_dir: pathlib.Path, *, keep_last: int, rank0: bool, offload: bool = False):
+    def __init__(self, run_dir: pathlib.Path, *, keep_last: int, rank0: bool, offload: bool = False,
+                 async_save: bool = False, verify_checksums: bool = True):
+        from sao_megatron.training.checkpoint import CheckpointSaves
+
         self.run_dir, self.rank0, self.offload = run_dir, rank0, offload
         self.ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=keep_last)
+        self.saves = CheckpointSaves(async_save=async_save)
+        self.verify_checksums = verify_checksums
         self.audit_path = run_dir / "audit.jsonl"
 
     # ------------------------------------------------------------------ checkpoints
@@ -132,9 +137,10 @@ class RunState:
         the trainer state and every rank's RNG, published atomically as ``step_N``."""
         import torch.distributed as dist
 
-        from sao_megatron.training.checkpoint import save_checkpoint
+        from sao_megatron.training.checkpoint import publish_checkpoint, save_checkpoint
         from sao_megatron.training.offload import resident
 
+        self.saves.wait()  # one checkpoint in flight at most (publishing prunes *.partial directories)
         part = self.ckpt.partial_dir(step)
         if self.rank0:
             self.ckpt.begin(step)
@@ -144,17 +150,15 @@ class RunState:
             if model is None:
                 continue
             with resident(model, offload=self.offload):
-                save_checkpoint(part / name, model.chunks, model.optimizer)
+                save_checkpoint(part / name, model.chunks, model.optimizer, saves=self.saves)
             state[f"{name}_lr"] = model.scheduler.state_dict()
         (part / "rng").mkdir(exist_ok=True)
         torch.save(capture_rng(), part / "rng" / f"rank_{dist.get_rank()}.pt")
         if self.rank0:
             write_json_atomic(part / "trainer_state.json", state)
         dist.barrier()
-        if self.rank0:
-            self.ckpt.commit(step)
-            log.info("checkpoint step %d -> %s", step, self.ckpt.final_dir(step))
-        dist.barrier()
+        # manifest (written last) + atomic rename once the files are complete (async: later, in poll/wait)
+        self.saves.then(lambda: publish_checkpoint(part, lambda: self.ckpt.commit(step)))
 
     def restore(self, path: pathlib.Path, models: dict[str, Any]) -> dict[str, Any]:
         """Collective: load ``models`` (+ optimizers, LR schedules) and this rank's RNG from ``path``;
@@ -177,16 +181,35 @@ class RunState:
         return state
 
     def resume_path(self, resume: str | None, load: str | None) -> pathlib.Path | None:
-        """The checkpoint to start from: ``auto`` (newest of this run, else ``checkpoint.load``),
-        ``never`` (refuses a run directory that already holds checkpoints) or an explicit path."""
+        """Collective. The checkpoint to start from: ``auto`` (the newest complete one of this run,
+        skipping corrupt ones with a warning, else ``checkpoint.load``), ``never`` (refuses a run
+        directory that already holds checkpoints) or an explicit path (verified: a corrupt one fails
+        naming its file)."""
+        from sao_megatron.training.manifest import find_resumable
+
         if resume in ("never", "", None):
             if self.ckpt.latest() is not None:
                 raise ValueError(f"{self.run_dir} already holds checkpoints; pass --resume auto to continue "
                                  "or choose a fresh --run-dir")
-            return _checked(load)
+            return self._checked(load)
         if resume == "auto":
-            return self.ckpt.latest() or _checked(load)
-        return _checked(resume)
+            return find_resumable(self.ckpt.root, check=self._verify) or self._checked(load)
+        return self._checked(resume)
+
+    def _verify(self, path: pathlib.Path) -> None:
+        from sao_megatron.training.checkpoint import verify_checkpoint
+
+        verify_checkpoint(path, checksums=self.verify_checksums)
+
+    def _checked(self, path: str | None) -> pathlib.Path | None:
+        if path is None:
+            return None
+        p = pathlib.Path(path)
+        if not (p / "trainer_state.json").is_file():
+            raise ValueError(f"{p} is not a sao-megatron checkpoint (no trainer_state.json); pass a "
+                             "RUN_DIR/checkpoints/step_N directory")
+        self._verify(p)  # a corrupt explicit checkpoint fails here, naming its file
+        return p
 
     # ------------------------------------------------------------------ audit
     def audit(self, samples: list[Any], *, step: int, version: int, phase: str) -> None:
@@ -207,13 +230,3 @@ class RunState:
         if self.audit_path.is_file():
             keep = [ln for ln in self.audit_path.read_text().splitlines() if ln and json.loads(ln)["step"] < step]
             self.audit_path.write_text("".join(ln + "\n" for ln in keep))
-
-
-def _checked(path: str | None) -> pathlib.Path | None:
-    if path is None:
-        return None
-    p = pathlib.Path(path)
-    if not (p / "trainer_state.json").is_file():
-        raise ValueError(f"{p} is not a sao-megatron checkpoint (no trainer_state.json); pass a "
-                         "RUN_DIR/checkpoints/step_N directory")
-    return p

@@ -46,7 +46,8 @@ class Trainer:
             write_resolved(cfg, self.run_dir, scheduler_mode=self.c.mode)
         self.offload = cfg.resources.offload_idle_optimizer  # only the stepping model's optimizer on the GPU
         self.state = RunState(self.run_dir, keep_last=cfg.checkpoint.keep_last, rank0=self.rank0,
-                              offload=self.offload)
+                              offload=self.offload, async_save=cfg.checkpoint.async_save,
+                              verify_checksums=cfg.checkpoint.verify_checksums)
         self.step = self.version = 0
         self.guard = NonFiniteGuard(cfg.run.max_nan_steps)
         self.policy = rl_step.PolicySettings(vocab_size=cfg.model.vocab_size, temperature=cfg.rollout.temperature,
@@ -70,6 +71,8 @@ class Trainer:
 
             rank0_call(lambda: check_reachable(self.cfg.rollout))
             state = self._restore()
+            if self.rank0:  # metrics.jsonl / TensorBoard / wandb continue from the checkpoint's step
+                self.logger.resume_at(self.step)
             if state is None:
                 if self.rank0:  # a run killed before its first checkpoint starts over
                     self.state.truncate_audit(0)
@@ -82,13 +85,17 @@ class Trainer:
                 self._pretrain_critic()
             while self.step < self.cfg.run.num_steps:
                 self._log(self.train_step())
+                self.state.saves.poll()  # publishes a finished async checkpoint
                 if self._should_save() or any_rank(self._stop_signal is not None):
                     self.save()
                     if self._stop_signal is not None:
+                        self.state.saves.wait()
                         log.warning("signal %s: checkpointed at step %d, exiting", self._stop_signal, self.step)
                         return 0
+            self.state.saves.wait()
             if self.state.ckpt.latest() != self.state.ckpt.final_dir(self.step):
                 self.save()
+                self.state.saves.wait()
             if self.rank0 and (line := reward_summary(self.run_dir)):
                 log.info("done: %s", line)
             return 0
