@@ -29,7 +29,7 @@ from sao_megatron.training import rl_step
 from sao_megatron.training.checkpoint import load_checkpoint, save_checkpoint
 from sao_megatron.training.collectives import any_rank, broadcast_object, gather_metrics, rank0_call
 from sao_megatron.training.distributed import init_distributed
-from sao_megatron.training.export import ExportPlan, iter_hf_tensors
+from sao_megatron.training.export import ExportPlan, iter_hf_tensors, iter_owned_hf_tensors, owns_tensors
 from sao_megatron.training.metrics_log import MetricsLogger
 from sao_megatron.training.models import build_actor, build_critic
 from sao_megatron.training.offload import park, resident
@@ -68,6 +68,7 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
         self.step = self.version = self.nan_streak = 0
         self.rollout = None
+        self.weight_sync = None  # rollout.weight_sync=distributed: every rank sends what it owns
         self.logger = (MetricsLogger(self.run_dir, cfg.logging, run_name=self.run_dir.name,
                                      config_dict=to_dict(cfg)) if self.rank0 else None)
         self._stop_signal: int | None = None
@@ -192,11 +193,23 @@ class Trainer:
                 self._drain(gen)
 
         rank0_call(start, others=lambda: self._drain(gen))
+        if self.cfg.rollout.weight_sync != "disk":
+            from sao_megatron.rollout.weight_sync import build_weight_sync
+
+            self.weight_sync = build_weight_sync(self.cfg.rollout, client=None, run_dir=self.run_dir,
+                                                 template_dir=None)
+            self.weight_sync.connect(self.rollout.client.engine_urls if self.rank0 else None,
+                                     is_sender=owns_tensors(self.export_plan))
 
     def _sync_weights(self) -> dict[str, float]:
-        gen = self._export()
         t0 = time.perf_counter()
-        out = rank0_call(lambda: self.rollout.push_weights(gen, self.version), others=lambda: self._drain(gen))
+        if self.weight_sync is not None:  # collective: each owner sends its own tensors
+            out = self.weight_sync.push(iter_owned_hf_tensors(self.export_plan), self.version,
+                                        paused=self.rollout.paused(self.version) if self.rank0 else None)
+            out = {"rollout/weight_sync_bytes": out["weight_sync/bytes"], **out} if self.rank0 else {}
+        else:
+            gen = self._export()
+            out = rank0_call(lambda: self.rollout.push_weights(gen, self.version), others=lambda: self._drain(gen))
         return (out or {}) | {"timing/weight_sync_s": time.perf_counter() - t0}
 
     def _pretrain_critic(self) -> None:
@@ -360,6 +373,8 @@ class Trainer:
             signal.signal(sig, handler)
 
     def close(self) -> None:
+        if self.weight_sync is not None:
+            self.weight_sync.close()
         if self.rollout is not None:
             self.rollout.close()
         if self.logger is not None:
