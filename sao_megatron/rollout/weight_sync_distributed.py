@@ -75,6 +75,8 @@ class EngineLink:
 
 @dataclass
 class _SenderStats:
+    owned: int = 0
+    """Bytes this sender owns (it sends them to each engine)."""
     bytes: int = 0
     buckets: int = 0
     seconds: float = 0.0
@@ -311,6 +313,7 @@ class DistributedWeightSync:
         """Send every full bucket; rank 0 keeps its last one back for the version-carrying final call."""
         held: NamedTensors | None = None
         for k, bucket in enumerate(_buckets(owned, self.bucket_bytes)):
+            stats.owned += sum(t.numel() * t.element_size() for _, t in bucket)
             if verify:
                 stats.checksums.update(expected_checksums(bucket))
             if self.world.rank == 0:
@@ -394,11 +397,11 @@ class DistributedWeightSync:
             check_engine(self.http, link.url, expected, strict=self.strict_names)
 
     def _metrics(self, everyone: list[_SenderStats], stats0: _SenderStats, verify: bool) -> dict[str, float]:
-        senders = [s for s in everyone if s.bytes or s.buckets]
         failed = [l for l in self.links if l.failed is not None]
         return {"weight_sync/bytes": float(sum(s.bytes for s in everyone) + stats0.bytes),
-                "weight_sync/num_senders": float(len(senders)),
-                "weight_sync/sender_bytes_max": float(max((s.bytes for s in everyone), default=0)),
+                "weight_sync/engine_bytes": float(sum(s.owned for s in everyone)),
+                "weight_sync/num_senders": float(sum(s.owned > 0 for s in everyone)),
+                "weight_sync/sender_bytes_max": float(max(s.owned for s in everyone)),
                 "weight_sync/sender_seconds_max": max((s.seconds for s in everyone), default=0.0),
                 "weight_sync/buckets": float(sum(s.buckets for s in everyone) + stats0.buckets),
                 "weight_sync/failed_engines": float(len(failed)), "weight_sync/verified": float(verify)}

@@ -85,6 +85,8 @@ def test_push_reaches_both_engines_and_verifies(engines, tiny_dirs):  # noqa: F8
     assert all(len({str(d) for d in b["dtypes"]}) == 1 for b in updates)  # one dtype per bucket: aligned
     assert metrics["weight_sync/verified"] == 1 and metrics["weight_sync/failed_engines"] == 0
     assert metrics["weight_sync/bytes"] == 2 * sum(t.numel() * 4 for _, t in other_tensors(tiny_dirs))
+    assert metrics["weight_sync/engine_bytes"] == metrics["weight_sync/sender_bytes_max"] == metrics[
+        "weight_sync/bytes"] / 2 and metrics["weight_sync/num_senders"] == 1
     assert versions(engines.urls) == ["5", "5"]
     sp = SamplingParams(max_new_tokens=6, temperature=0.8)
     for result in engine_logprobs(engines.urls, [8, 9, 10], sp):

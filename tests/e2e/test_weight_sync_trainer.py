@@ -37,20 +37,25 @@ def check(r: dict, num_senders: int) -> None:
     first, second = r["first"], r["second"]
     assert first["weight_sync/verified"] == 1 and second["weight_sync/verified"] == 0
     assert first["weight_sync/failed_engines"] == 0 and first["weight_sync/num_senders"] == num_senders
-    assert first["weight_sync/bytes"] == second["weight_sync/bytes"] > 0
+    assert first["weight_sync/bytes"] == second["weight_sync/bytes"] == 2 * first["weight_sync/engine_bytes"] > 0
     assert all(n >= 4 for n in r["parity_tokens"]) and max(r["parity_max_abs"]) < 1e-4, r
 
 
-def test_tp1_and_tp2_trainer_to_two_engines(tmp_path):
+def test_tp1_trainer_to_two_engines(tmp_path):
     check(sync_run(tmp_path, 1), num_senders=1)
-    # TP2: TP shards are gathered inside the TP group; rank 0 sends them, rank 1 owns nothing whole
-    check(sync_run(tmp_path, 2, "parallel.tensor_model_parallel_size=2"), num_senders=1)
+
+
+@pytest.mark.slow
+def test_tp2_trainer_to_two_engines(tmp_path):
+    # TP shards are gathered inside the TP group; rank 0 sends them, rank 1 owns nothing whole
+    check(sync_run(tmp_path, 2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"), num_senders=1)
 
 
 @pytest.mark.slow
 def test_tp2_ep2_trainer_four_ranks(tmp_path):
     # EP2: the second EP rank sends its experts (global ids) over its own groups
-    r = sync_run(tmp_path, 4, "parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2")
+    r = sync_run(tmp_path, 4, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                 "parallel.expert_model_parallel_size=2")
     check(r, num_senders=2)
 
 
