@@ -48,7 +48,8 @@ def test_tp1_trainer_to_two_engines(tmp_path):
 @pytest.mark.slow
 def test_tp2_trainer_to_two_engines(tmp_path):
     # TP shards are gathered inside the TP group; rank 0 sends them, rank 1 owns nothing whole
-    check(sync_run(tmp_path, 2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"), num_senders=1)
+    r = sync_run(tmp_path, 2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true")
+    check(r, num_senders=1)
 
 
 @pytest.mark.slow
