@@ -88,3 +88,31 @@ def test_failed_write_leaves_nothing(tmp_path):
     with pytest.raises(ValueError, match="twice"):
         write_hf_safetensors([("a", torch.ones(2)), ("a", torch.ones(2))], tmp_path / "ckpt")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_engines_with_data_parallel_attention_are_refused_with_the_reason():
+    import httpx
+
+    from sao_megatron.rollout.weight_sync_distributed import DistributedWeightSync, WeightSyncError
+
+    infos = {"a": {"tp_size": 4, "dp_size": 1}, "b": {"tp_size": 8, "dp_size": 8}}
+    sync = DistributedWeightSync(backend="gloo", master_address="127.0.0.1")
+    sync.http = httpx.Client(transport=httpx.MockTransport(lambda req: httpx.Response(200, json=infos[req.url.host])))
+    assert sync._engine_layout(["http://a/"]) == [("http://a", 4)]
+    reason = sync._engine_layout(["http://a", "http://b"])
+    assert "dp_size=8" in reason and "rollout.weight_sync=disk" in reason
+    with pytest.raises(WeightSyncError, match="dp_size=8"):
+        sync.connect(["http://b"], is_sender=True)
+
+
+def test_flattened_bucket_layout_is_sglangs():
+    """Back-to-back bytes; a tensor at an offset that is not a multiple of its size is refused."""
+    from sao_megatron.rollout.update_group import flatten_bucket, unflatten_bucket
+
+    a, b = torch.arange(6, dtype=torch.float32).view(2, 3), torch.tensor([7, 8], dtype=torch.int64)
+    buf = flatten_bucket([a, b])
+    assert buf.dtype == torch.uint8 and buf.numel() == 24 + 16
+    got = unflatten_bucket(buf, [torch.float32, torch.int64], [[2, 3], [2]])
+    assert torch.equal(got[0], a) and torch.equal(got[1], b)
+    with pytest.raises(ValueError, match="unaligned"):
+        unflatten_bucket(torch.zeros(10, dtype=torch.uint8), [torch.bfloat16, torch.float32], [[1], [2]])
