@@ -92,6 +92,7 @@ def dist_floor(tensors, bucket_bytes: int, reps: int) -> float:
             torch.distributed.broadcast(flatten_bucket([b]), src=0, group=group)
     t = best(once, reps)
     child.join(60)
+    torch.distributed.destroy_process_group(group)
     return t
 
 

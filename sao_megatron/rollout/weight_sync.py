@@ -51,7 +51,7 @@ class WeightSync(Protocol):
     def push(self, owned: NamedTensors, version: int, *, paused: Paused | None = None,
              verify: bool = False) -> dict[str, float]: ...
 
-    def reconnect(self, engine_url: str | None) -> None: ...
+    def reconnect(self, engine_url: str | None, new_url: str | None = None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -169,8 +169,8 @@ class DiskWeightSync:
         """Nothing to join: engines read the shared file system."""
         self.needs_verify = self.verify_first
 
-    def reconnect(self, engine_url: str | None) -> None:
-        """A restarted engine loads the next pushed directory; verify that push."""
+    def reconnect(self, engine_url: str | None, new_url: str | None = None) -> None:
+        """A restarted engine loads the next pushed directory (the client must route to it); verify that push."""
         self.needs_verify = True
 
     def close(self) -> None:

@@ -71,6 +71,9 @@ class EngineLink:
     group_name: str = ""
     group: Any = None
     failed: str | None = None
+    joins: int = 0
+    """Groups built with this engine so far: each gets a new name (a broken group cannot be destroyed
+    cleanly while its collective is pending, and torch refuses to reuse the name)."""
 
 
 @dataclass
@@ -208,7 +211,13 @@ class DistributedWeightSync:
         """Host the group with one engine (this sender = rank 0) while the engine joins it."""
         if link.group is not None:
             self._drop_group(link)
-        link.group_name = f"{self.group_prefix}_r{self.world.rank}_e{link.index}"
+        if link.group_name:  # an engine that lived on still holds our old group: free it (best effort)
+            try:
+                self._post(link.url, "/destroy_weights_update_group", {"group_name": link.group_name})
+            except EngineSyncFailed:
+                pass
+        link.joins += 1
+        link.group_name = f"{self.group_prefix}_r{self.world.rank}_e{link.index}_g{link.joins}"
         with socket.socket() as s:
             s.bind((self.master_address, 0))
             port = s.getsockname()[1]
@@ -233,15 +242,21 @@ class DistributedWeightSync:
             logger.warning("destroying %s: %s", link.group_name, exc)
         link.group = None
 
-    def reconnect(self, engine_url: str | None) -> None:
-        """Every rank: rebuild every sender's group with a (re)started engine (rank 0 names its URL).
-
-        The next push sends it the full weights and verifies them (a new layout for that engine).
+    def reconnect(self, engine_url: str | None, new_url: str | None = None) -> None:
+        """Every rank: rebuild every sender's group with a (re)started engine (rank 0 names its URL, and
+        ``new_url`` if it came back elsewhere). The next push sends it the full weights and verifies them
+        (a new layout for that engine); until then it keeps the weights it started with.
         """
-        url = self.world.bcast(engine_url.rstrip("/") if self.world.rank == 0 and engine_url else None)
-        link = next((l for l in self.links if l.url == url), None)
+        names = (engine_url.rstrip("/"), (new_url or engine_url).rstrip("/")) if self.world.rank == 0 else None
+        names = self.world.bcast(names)
+        link = next((l for l in self.links if l.url == names[0]), None)
         if link is None:
-            raise WeightSyncError(f"reconnect: {url} is not one of the sync's engines {[l.url for l in self.links]}")
+            raise WeightSyncError(f"reconnect: {names[0]} is not one of the sync's engines "
+                                  f"{[l.url for l in self.links]}")
+        layout = self.world.bcast(self._engine_layout([names[1]]) if self.world.rank == 0 else None)
+        if isinstance(layout, str):
+            raise WeightSyncError(layout)
+        link.url, link.tp_size = layout[0]
         if self.is_sender:
             self._join(link)
         else:

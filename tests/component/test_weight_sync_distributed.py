@@ -154,6 +154,31 @@ def test_corrupted_bytes_stop_with_the_tensor_name(engines, tiny_dirs, monkeypat
     assert metrics["weight_sync/verified"] == 1 and versions(engines.urls) == ["7", "7"]
 
 
+def test_refused_update_leaves_engine_out_until_reconnect(engines, tiny_dirs):  # noqa: F811
+    """Engine 1 refuses mid-sync (its session was closed under it): the sync finishes on engine 0, the
+    broken group is abandoned, and reconnect builds a new one so the next push reaches both."""
+    sync, _ = make_sync(bucket_bytes=20_000)
+    sync.connect(engines.urls, is_sender=True)
+    real, seen = sync._send_bucket, []
+
+    def send(link, bucket, version):
+        seen.append(link.index)
+        if link.index == 1 and seen.count(1) == 2:
+            httpx.post(link.url + "/end_weight_update", json={}, headers=HEADERS)
+        return real(link, bucket, version)
+    sync._send_bucket = send
+    try:
+        metrics = sync.push(other_tensors(tiny_dirs), 11)
+        assert metrics["weight_sync/failed_engines"] == 1 and versions(engines.urls) == ["11", "7"]
+        sync._send_bucket = real
+        sync.reconnect(engines.urls[1])
+        metrics = sync.push(other_tensors(tiny_dirs), 12)
+    finally:
+        sync.close()
+    assert metrics["weight_sync/failed_engines"] == 0 and metrics["weight_sync/verified"] == 1
+    assert versions(engines.urls) == ["12", "12"]
+
+
 def test_generate_batch_and_text_as_sglang(engines, tiny_dirs):  # noqa: F811
     """A batch (list of lists) answers a list in order, each reply as the single request's;
     text without a tokenizer is refused with SGLang's own message."""
