@@ -242,10 +242,14 @@ class RolloutConfig:
     """Timeout for one /generate request."""
     startup_timeout_s: float = 120.0
     """How long the trainer waits for external engines (rollout.engine=sglang) to answer /health."""
-    weight_sync: Literal["disk", "nccl"] = "disk"
-    """disk: safetensors + update_weights_from_disk; nccl: update_weights_from_distributed."""
+    weight_sync: Literal["disk", "distributed", "nccl"] = "disk"
+    """disk: safetensors + update_weights_from_disk; distributed (alias nccl): SGLang update groups."""
     weight_sync_bucket_mb: int = 512
     """Bucket size for streaming weights to the engines."""
+    weight_sync_timeout_s: float = 300.0
+    """Bound on every weight-sync call and group operation: a dead engine fails the sync, never hangs it."""
+    weight_sync_verify: bool = True
+    """Compare the engines' /weights_checker checksums with the export after the first sync of each layout."""
     return_routed_experts: bool = False
     """Ask engines for routed expert ids (routing replay)."""
 
@@ -393,6 +397,8 @@ class ResourcesConfig:
     """Expert parallelism inside a server (SGLang --ep-size); divides rollout_tp_size."""
     rollout_mem_fraction: float = 0.85
     """SGLang --mem-fraction-static: share of GPU memory for weights plus KV cache."""
+    link_gbps: float = 400.0
+    """Network bandwidth per GPU in Gb/s (weight-sync estimate of `sao-megatron plan`)."""
 
 
 @cfg

@@ -14,6 +14,8 @@ from sao_megatron.config.schema import ExperimentConfig, ModelConfig, ParallelCo
 
 def validate(cfg: ExperimentConfig, *, world_size: int | None = None, source: str = "config") -> None:
     """Raise ConfigError naming the key and the fix for the first violated constraint."""
+    if cfg.rollout.weight_sync == "nccl":  # the older name of the same transport (GPU layouts use it)
+        cfg.rollout.weight_sync = "distributed"
     errors = (check_model(cfg.model) + check_parallel(cfg.model, cfg.parallel, world_size)
               + check_training(cfg) + check_resources(cfg.resources))
     if errors:

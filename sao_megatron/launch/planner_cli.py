@@ -123,6 +123,9 @@ def print_plan(plan: Any, cfg: Any, config: str) -> None:
     console.print(f"weight sync per step: {ws['bytes'] / 1e9:.1f} GB bf16 -> NCCL broadcast "
                   f"~{ws['nccl_s']:.1f} s, "
                   f"via shared disk ~{ws['disk_s']:.0f} s")
+    from sao_megatron.launch.sync_estimate import describe, estimate_sync
+
+    console.print(describe(estimate_sync(cfg.model, cfg.parallel, cfg.resources)))
     if plan.suggestion is not None:
         console.print(f"smallest trainer layout that fits: {plan.suggestion.describe()}")
     else:

@@ -40,6 +40,7 @@ CONTROL_REQUESTS: dict[str, str] = {
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/weights_checker": "CheckWeightsReqInput",
 }
 
 

@@ -1,14 +1,20 @@
-"""Push trainer weights (HF names, full tensors) to the rollout engines.
+"""Push trainer weights (HF names, full tensors) to the rollout engines: one interface, two transports.
 
-Two transports, both called by the scheduler while generation is paused:
-- ``DiskWeightSync``: sharded safetensors + index in ``sync_root/v{version}``,
-  written atomically, then ``update_weights_from_disk`` on every engine. Simple
-  and robust; the only path the embedded CPU engine supports.
-- ``NcclWeightSync``: the trainer's rank 0 and every engine GPU join one
-  broadcast group; weights go in buckets (``update_weights_from_distributed``
-  announces names/dtypes/shapes while rank 0 broadcasts the tensors in the same
-  order). Bucketing is plain logic, tested on CPU; the group itself works with
-  gloo (tested on CPU) and NCCL (GPU only).
+``build_weight_sync(rollout_cfg, ...)`` is the one place that picks the
+transport from ``rollout.weight_sync``:
+- ``disk`` (:class:`DiskWeightSync`): every owner writes its own tensors as
+  safetensors parts into one directory on the shared file system (no rank-0
+  funnel), rank 0 adds the index and template files and renames the directory
+  into place atomically, then every engine loads it (``/update_weights_from_disk``
+  inside a ``/begin_weight_update`` session) while generation is paused;
+- ``distributed`` (``nccl`` accepted as an alias): SGLang's update groups, see
+  ``weight_sync_distributed.py``.
+
+Both are called the same way on every trainer rank (``collective=True``) with
+this rank's share of the export (``training.export.iter_owned_hf_tensors``):
+``connect(engine_urls, is_sender=...)`` once, ``push(owned, version, paused=...)``
+per step, ``reconnect(url)`` for a restarted engine, ``close()``. With
+``collective=False`` a disk sync runs in rank 0 alone (a rank-0 stream).
 """
 
 from __future__ import annotations
@@ -20,19 +26,34 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
+import httpx
 import torch
 
-from sao_megatron.rollout.client import RolloutClient
+from sao_megatron.rollout.weight_check import expected_checksums
+from sao_megatron.rollout.weight_sync_distributed import (
+    DistributedWeightSync, Paused, WeightSyncError, _World, check_engine)
 
 logger = logging.getLogger(__name__)
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+class WeightSync(Protocol):
+    """What the trainer calls on every rank (see the module docstring)."""
+
+    def connect(self, engine_urls: list[str] | None, *, is_sender: bool) -> None: ...
+
+    def push(self, owned: NamedTensors, version: int, *, paused: Paused | None = None,
+             verify: bool = False) -> dict[str, float]: ...
+
+    def reconnect(self, engine_url: str | None, new_url: str | None = None) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def _copy_template(template_dir: Path, out: Path) -> None:
@@ -57,7 +78,9 @@ def _shards(named_tensors: NamedTensors, max_shard_bytes: int) -> Iterator[dict[
         if name in seen:
             raise ValueError(f"tensor {name} given twice")
         seen.add(name)
-        t = tensor.detach().to("cpu").contiguous().clone()  # clone: safetensors refuses shared storage
+        t = tensor.detach().to("cpu").contiguous()
+        if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # a view into a larger storage: safetensors refuses tensors sharing storage
         nbytes = t.numel() * t.element_size()
         if shard and size + nbytes > max_shard_bytes:
             yield shard
@@ -123,32 +146,124 @@ def _atomic_replace_dir(src: Path, dst: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+
+
 class DiskWeightSync:
-    """safetensors on a shared file system + ``update_weights_from_disk`` on every engine."""
+    """safetensors parts on a shared file system + ``/update_weights_from_disk`` on every engine."""
 
-    def __init__(self, client: RolloutClient, sync_root: str | Path, *, keep_last: int = 2,
-                 max_shard_bytes: int = 4 << 30):
+    def __init__(self, *, client, sync_root: str | Path, template_dir: str | Path | None, keep_last: int = 2,
+                 max_shard_bytes: int = 4 << 30, collective: bool = True, world_group=None, verify: bool = True,
+                 api_key: str | None = None, timeout_s: float = 300.0, strict_names: bool = True):
+        """``client``: rank 0's RolloutClient (None elsewhere); it must live on the loop ``paused`` runs on.
+        ``strict_names``: see ``DistributedWeightSync``."""
         self.client = client
-        self.sync_root = Path(sync_root)
-        self.keep_last = max(1, keep_last)
-        self.max_shard_bytes = max_shard_bytes
+        self.sync_root, self.template_dir = Path(sync_root), template_dir
+        self.keep_last, self.max_shard_bytes = max(1, keep_last), max_shard_bytes
+        self.world = _World(world_group) if collective else _World.alone()
+        self.needs_verify = self.verify_first = verify
+        self.strict_names = strict_names
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(headers=headers, trust_env=False, timeout=timeout_s)
 
-    async def push(self, named_tensors: NamedTensors, version: int, template_dir: str | Path) -> dict[str, float]:
-        """Write version ``version`` and make every engine load it (the caller pauses generation first)."""
-        start = time.perf_counter()
-        path = self.sync_root / f"v{version:06d}"
-        await asyncio.to_thread(write_hf_safetensors, named_tensors, path, template_dir=template_dir,
-                                max_shard_bytes=self.max_shard_bytes)
-        written = time.perf_counter()
-        await self.client.begin_weight_update()
+    def connect(self, engine_urls: list[str] | None, *, is_sender: bool) -> None:
+        """Nothing to join: engines read the shared file system."""
+        self.needs_verify = self.verify_first
+
+    def reconnect(self, engine_url: str | None, new_url: str | None = None) -> None:
+        """A restarted engine loads the next pushed directory (the client must route to it); verify that push."""
+        self.needs_verify = True
+
+    def close(self) -> None:
+        self.http.close()
+
+    # ------------------------------------------------------------------ write (collective)
+    def write(self, owned: NamedTensors, version: int, *, checksums: bool = False) -> tuple[Path | None, dict]:
+        """Every rank writes its parts; rank 0 completes ``sync_root/v{version}`` and returns it
+        (with the gathered checksums when asked); other ranks get (None, {})."""
+        token = self.world.bcast(uuid.uuid4().hex[:8])
+        tmp = self.sync_root / f".v{version:06d}.tmp-{token}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        parts, sums = [], {}
+        for i, shard in enumerate(_shards(owned, self.max_shard_bytes)):
+            name = f"part-r{self.world.rank:05d}-{i:05d}.safetensors"
+            _save_shard(shard, tmp / name)
+            parts.append((name, {k: t.numel() * t.element_size() for k, t in shard.items()}))
+            if checksums:
+                sums.update(expected_checksums(shard.items()))
+        everyone = self.world.gather((parts, sums))
+        if self.world.rank != 0:
+            return None, {}
         try:
-            await self.client.update_weights_from_disk(str(path), weight_version=version)
-        finally:
-            await self.client.end_weight_update()
+            out = self._finalize(tmp, [p for part, _ in everyone for p in part], self.sync_root / f"v{version:06d}")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out, {n: c for _, s in everyone for n, c in s.items()}
+
+    def _finalize(self, tmp: Path, parts: list[tuple[str, dict[str, int]]], out: Path) -> Path:
+        """(rank 0) Index + template files, then the directory moves into place atomically."""
+        if not parts:
+            raise ValueError("no tensors to write")
+        names = [n for _, sizes in parts for n in sizes]
+        if len(names) != len(set(names)):
+            raise ValueError(f"tensors written twice: {sorted({n for n in names if names.count(n) > 1})[:5]}")
+        if len(parts) == 1:
+            os.replace(tmp / parts[0][0], tmp / "model.safetensors")
+        else:
+            weight_map = {n: f for f, sizes in parts for n in sizes}
+            index = {"metadata": {"total_size": sum(sum(s.values()) for _, s in parts)},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if self.template_dir is not None:
+            _copy_template(Path(self.template_dir), tmp)
+        _atomic_replace_dir(tmp, out)
+        return out
+
+    # ------------------------------------------------------------------ push (collective)
+    def push(self, owned: NamedTensors, version: int, *, paused: Paused | None = None,
+             verify: bool = False) -> dict[str, float]:
+        """Write while engines keep generating, then pause → load → continue (rank 0); metrics on rank 0."""
+        start = time.perf_counter()
+        verify = verify or self.needs_verify
+        path, sums = self.write(owned, version, checksums=verify)
+        written = time.perf_counter()
+        verdict: Any = None
+        error: Exception | None = None
+        if self.world.rank == 0:
+            try:
+                verdict = self._load(path, version, paused, sums if verify else None)
+            except Exception as exc:  # shared with every rank below, then raised here
+                verdict = f"{type(exc).__name__}: {exc}"
+                error = exc
+        verdict = self.world.bcast(verdict)
+        if isinstance(verdict, str):
+            if error is not None:
+                raise error
+            raise WeightSyncError(f"rank 0 failed the disk weight sync: {verdict}")
+        self.needs_verify = self.needs_verify and not verify
+        if self.world.rank != 0:
+            return {}
+        return {**verdict, "weight_sync/write_seconds": written - start,
+                "weight_sync/load_seconds": time.perf_counter() - written,
+                "weight_sync/seconds": time.perf_counter() - start}
+
+    def _load(self, path: Path, version: int, paused: Paused | None, expected: dict[str, str] | None) -> dict:
+        async def update() -> None:
+            await self.client.begin_weight_update()
+            try:
+                await self.client.update_weights_from_disk(str(path), weight_version=version)
+            finally:
+                await self.client.end_weight_update()
+        if paused is None:
+            asyncio.run(update())
+        else:
+            paused(update)
+        if expected is not None:
+            for url in self.client.healthy_urls():
+                check_engine(self.http, url, expected, strict=self.strict_names)
         self._prune()
         nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        return {"weight_sync/bytes": float(nbytes), "weight_sync/seconds": time.perf_counter() - start,
-                "weight_sync/write_seconds": written - start, "weight_sync/load_seconds": time.perf_counter() - written}
+        return {"weight_sync/bytes": float(nbytes), "weight_sync/verified": float(expected is not None)}
 
     def _prune(self) -> None:
         versions = sorted(p for p in self.sync_root.glob("v[0-9]*") if p.is_dir())
@@ -156,127 +271,27 @@ class DiskWeightSync:
             shutil.rmtree(old, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------------------- NCCL path
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
-    """What an engine needs to receive one tensor: its name, dtype (torch name) and shape."""
+def build_weight_sync(rollout_cfg, *, client, run_dir: str | Path, template_dir: str | Path | None,
+                      collective: bool = True, world_group=None) -> WeightSync:
+    """The transport ``rollout_cfg.weight_sync`` names (``nccl`` is an alias of ``distributed``).
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-    @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> TensorMeta:
-        return cls(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
-                   tensor.numel() * tensor.element_size())
-
-
-def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
-    """Consecutive groups of at most ``bucket_bytes`` (a larger tensor travels alone), order kept."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    buckets: list[list[TensorMeta]] = []
-    size = 0
-    for meta in metas:
-        if not buckets or size + meta.nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(meta)
-        size += meta.nbytes
-    return buckets
-
-
-def init_custom_process_group(*, backend: str, master_address: str, master_port: int, world_size: int, rank: int,
-                              group_name: str, timeout: timedelta = timedelta(minutes=10)):
-    """A process group outside the default world (trainer rank 0 + engines), as SGLang builds its side.
-
-    Same store layout as sglang's ``init_custom_process_group``: a TCP rendezvous at
-    ``master_address:master_port`` (rank 0 hosts it), keys under ``PrefixStore(group_name)``.
+    ``client``: rank 0's RolloutClient (None on the other ranks). ``collective``: every trainer
+    rank calls the sync (required by ``distributed``); False runs a disk sync on rank 0 alone.
     """
-    import inspect
-
-    from torch.distributed import distributed_c10d as c10d
-
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                                   timeout=timeout))
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore(group_name, store)
-    params = inspect.signature(c10d._new_process_group_helper).parameters
-    options = "backend_options" if "backend_options" in params else "pg_options"
-    group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                              group_name=group_name, timeout=timeout, **{options: None})
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
-
-
-class NcclWeightSync:
-    """Bucketed broadcast from the trainer's rank 0 to every engine (``update_weights_from_distributed``)."""
-
-    def __init__(self, client: RolloutClient, *, master_address: str, master_port: int,
-                 bucket_bytes: int = 512 << 20, group_name: str = "weight_update_group", backend: str = "nccl",
-                 device: str | torch.device | None = None):
-        self.client = client
-        self.master_address, self.master_port = master_address, master_port
-        self.bucket_bytes = bucket_bytes
-        self.group_name = group_name
-        self.backend = backend
-        self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
-        self.group = None
-
-    async def connect(self, engine_world_sizes: list[int] | None = None) -> int:
-        """Engines and this process join the group concurrently (the rendezvous needs everyone)."""
-        if engine_world_sizes is None:
-            engine_world_sizes = await self.client.engine_world_sizes()
-        world_size = 1 + sum(engine_world_sizes)
-        engines = asyncio.create_task(self.client.init_weights_update_group(
-            self.master_address, self.master_port, engine_world_sizes=engine_world_sizes,
-            group_name=self.group_name, backend=self.backend))
-        self.group = await asyncio.to_thread(
-            init_custom_process_group, backend=self.backend, master_address=self.master_address,
-            master_port=self.master_port, world_size=world_size, rank=0, group_name=self.group_name)
-        await engines
-        return world_size
-
-    async def push(self, named_tensors: NamedTensors, version: int) -> dict[str, float]:
-        """Stream buckets; only the last one carries the version and flushes the cache."""
-        if self.group is None:
-            raise RuntimeError("NcclWeightSync.push before connect()")
-        start, nbytes, num_buckets = time.perf_counter(), 0, 0
-        pending: list[tuple[TensorMeta, torch.Tensor]] = []
-        size = 0
-        for name, tensor in named_tensors:
-            meta = TensorMeta.of(name, tensor)
-            if pending and size + meta.nbytes > self.bucket_bytes:
-                await self._send_bucket(pending, None)
-                num_buckets, pending, size = num_buckets + 1, [], 0
-            pending.append((meta, tensor))
-            size += meta.nbytes
-            nbytes += meta.nbytes
-        if pending:
-            await self._send_bucket(pending, version)
-            num_buckets += 1
-        return {"weight_sync/bytes": float(nbytes), "weight_sync/seconds": time.perf_counter() - start,
-                "weight_sync/buckets": float(num_buckets)}
-
-    async def _send_bucket(self, bucket: list[tuple[TensorMeta, torch.Tensor]], version: int | None) -> None:
-        metas = [m for m, _ in bucket]
-        announce = asyncio.create_task(self.client.update_weights_from_distributed(
-            [m.name for m in metas], [m.dtype for m in metas], [list(m.shape) for m in metas],
-            group_name=self.group_name, weight_version=version, flush_cache=version is not None))
-        await asyncio.to_thread(self._broadcast, [t for _, t in bucket])
-        await announce
-
-    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        import torch.distributed as dist
-
-        for t in tensors:
-            dist.broadcast(t.detach().to(self.device).contiguous(), src=0, group=self.group)
-
-    async def close(self) -> None:
-        import torch.distributed as dist
-
-        if self.group is not None:
-            await self.client.destroy_weights_update_group(self.group_name)
-            dist.destroy_process_group(self.group)
-            self.group = None
+    kind = "distributed" if rollout_cfg.weight_sync == "nccl" else rollout_cfg.weight_sync
+    strict = rollout_cfg.engine == "embedded"  # it reports checksums under the exported HF names
+    if kind == "disk":
+        return DiskWeightSync(client=client, sync_root=Path(run_dir) / "weights", template_dir=template_dir,
+                              collective=collective, world_group=world_group, verify=rollout_cfg.weight_sync_verify,
+                              api_key=rollout_cfg.api_key, timeout_s=rollout_cfg.weight_sync_timeout_s,
+                              strict_names=strict)
+    if kind == "distributed":
+        if not collective:
+            raise ValueError("rollout.weight_sync=distributed is called on every trainer rank (each owner sends "
+                             "its own tensors): build it with collective=True")
+        return DistributedWeightSync(
+            backend="gloo" if rollout_cfg.engine == "embedded" else "nccl",
+            bucket_bytes=rollout_cfg.weight_sync_bucket_mb << 20, timeout_s=rollout_cfg.weight_sync_timeout_s,
+            api_key=rollout_cfg.api_key, verify=rollout_cfg.weight_sync_verify, world_group=world_group,
+            strict_names=strict)
+    raise ValueError(f"rollout.weight_sync must be disk or distributed (nccl is an alias), got {kind!r}")

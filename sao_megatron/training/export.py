@@ -191,3 +191,25 @@ def write_hf_weights(plan: ExportPlan, out_dir: str | pathlib.Path, *, dtype: to
         return torch.float32 if plan.wmap.is_fp32(name) else dtype
 
     return write_sharded(stream, pathlib.Path(out_dir), max_shard_bytes=max_shard_bytes, dtype_of=dtype_of)
+
+
+# ---------------------------------------------------------------------------------------- weight sync
+@torch.no_grad()
+def iter_owned_hf_tensors(plan: ExportPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's share of the export under HF names: every canonical tensor it owns, full.
+
+    TP / expert-TP shards are gathered inside their own group (collective there only);
+    nothing crosses to rank 0, so each owner (PP stage, EP rank with global expert ids)
+    can send its own tensors (``rollout.weight_sync``). Every rank must iterate to the end.
+    Tensors may be views of live parameters: send or copy them before the next step.
+    """
+    for bucket in plan.buckets:
+        full = _assemble(plan, bucket)
+        for item in bucket:
+            if item.owner == plan.rank:
+                yield from plan.wmap.to_hf(item.name, full[item.name])
+
+
+def owns_tensors(plan: ExportPlan) -> bool:
+    """Whether this rank sends anything in :func:`iter_owned_hf_tensors` (a weight-sync sender)."""
+    return any(item.owner == plan.rank for item in plan.items)

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
-import shutil
-import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,13 +23,12 @@ from sao_megatron.models.families.hf_config import write_hf_template
 from sao_megatron.rollout.client import RolloutClient
 from sao_megatron.rollout.health import wait_healthy
 from sao_megatron.rollout.launch import LocalEngines, SGLangRouterProcess
-from sao_megatron.rollout.weight_sync import write_hf_safetensors
+from sao_megatron.rollout.weight_sync import DiskWeightSync
 from sao_megatron.scheduler.sample import Sample
 from sao_megatron.scheduler.scheduler import AsyncScheduler
 from sao_megatron.training.async_bridge import AsyncBridge
 
 log = logging.getLogger(__name__)
-KEEP_WEIGHT_VERSIONS = 2
 
 
 class EngineStartError(SaoError):
@@ -77,17 +74,22 @@ class RolloutSide:
         self.router: SGLangRouterProcess | None = None
         self.client: RolloutClient | None = None
         self.scheduler: AsyncScheduler | None = None
-        self.sync_seconds = self.sync_bytes = 0.0
+        self.disk: DiskWeightSync | None = None  # the engines' start directory and rollout.weight_sync=disk
 
     # ------------------------------------------------------------------ start / stop
     def start(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
               scheduler_state: dict[str, Any] | None) -> None:
         """Write weights ``version``, start (or reach) engines, then start generating."""
-        model_dir = self._write_weights(named_tensors, version)
+        self.disk = DiskWeightSync(client=None, sync_root=self.weights_root, template_dir=self.template_dir,
+                                   collective=False, verify=self.cfg.weight_sync_verify, api_key=self.cfg.api_key,
+                                   timeout_s=self.cfg.weight_sync_timeout_s,
+                                   strict_names=self.cfg.engine == "embedded")
+        model_dir, _ = self.disk.write(named_tensors, version)
         urls = self._start_engines(model_dir, version)
         router_url = self._start_router(urls)
         self.client = RolloutClient(urls, router_url=router_url, api_key=self.cfg.api_key,
                                     timeout_s=self.cfg.request_timeout_s)
+        self.disk.client = self.client
         health = self.bridge.run(self.client.health(), timeout=60)
         dead = [u for u, ok in health.items() if not ok]
         if dead:
@@ -137,6 +139,8 @@ class RolloutSide:
         except Exception as exc:  # shutting down: report, keep closing
             log.warning("rollout shutdown: %s", exc)
         finally:
+            if self.disk is not None:
+                self.disk.close()
             if self.router is not None:
                 self.router.stop()
             if self.engines is not None:
@@ -153,33 +157,19 @@ class RolloutSide:
         assert self.scheduler is not None
         self.bridge.run(_call(self.scheduler.reset_admission_budget))
 
+    def paused(self, version: int) -> Callable[[Callable[[], Awaitable[None]]], None]:
+        """Runs a weight-sync coroutine with generation paused, then continues at ``version`` (blocking)."""
+        def run(update: Callable[[], Awaitable[None]]) -> None:
+            self.bridge.run(self.scheduler.on_weights_updated(version, update))
+        return run
+
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
-        """Write the new weights while engines keep generating, then pause → load → continue."""
-        assert self.scheduler is not None and self.client is not None
-        t0 = time.perf_counter()
-        model_dir = self._write_weights(named_tensors, version)
-        t1 = time.perf_counter()
-
-        async def update() -> None:
-            await self.client.update_weights_from_disk(str(model_dir), weight_version=version)
-
-        self.bridge.run(self.scheduler.on_weights_updated(version, update))
-        t2 = time.perf_counter()
-        self._prune_weights(version)
-        return {"timing/weight_write_s": t1 - t0, "timing/weight_update_s": t2 - t1,
-                "rollout/weight_sync_bytes": float(self.sync_bytes)}
-
-    def _write_weights(self, named_tensors, version: int) -> pathlib.Path:
-        out = self.weights_root / f"v{version:06d}"
-        counted = _CountingIter(named_tensors)
-        write_hf_safetensors(counted, out, template_dir=self.template_dir)
-        self.sync_bytes = counted.nbytes
-        return out
-
-    def _prune_weights(self, version: int) -> None:
-        for path in sorted(self.weights_root.glob("v*")):
-            if path.name < f"v{version - KEEP_WEIGHT_VERSIONS + 1:06d}":
-                shutil.rmtree(path, ignore_errors=True)
+        """rollout.weight_sync=disk from rank 0 alone: write while engines generate, then pause → load → continue."""
+        assert self.scheduler is not None and self.disk is not None
+        metrics = self.disk.push(named_tensors, version, paused=self.paused(version))
+        return {"timing/weight_write_s": metrics["weight_sync/write_seconds"],
+                "timing/weight_update_s": metrics["weight_sync/load_seconds"],
+                "rollout/weight_sync_bytes": metrics["weight_sync/bytes"]}
 
     def metrics(self) -> dict[str, float]:
         assert self.scheduler is not None
@@ -188,18 +178,6 @@ class RolloutSide:
     def state_dict(self) -> dict[str, Any]:
         assert self.scheduler is not None
         return self.bridge.run(_call(self.scheduler.state_dict))
-
-
-class _CountingIter:
-    """Pass (name, tensor) pairs through, counting bytes (weight-sync volume per step)."""
-
-    def __init__(self, pairs):
-        self.pairs, self.nbytes = pairs, 0
-
-    def __iter__(self):
-        for name, tensor in self.pairs:
-            self.nbytes += tensor.numel() * tensor.element_size()
-            yield name, tensor
 
 
 async def _call(fn):

@@ -24,6 +24,7 @@ from sao_megatron.training import rl_step
 from sao_megatron.training.batch import LocalBatch, prepare_batch
 from sao_megatron.training.components import Components, build_components, drain, export_weights, initial_weights
 from sao_megatron.training.evaluation import PeriodicEval
+from sao_megatron.training.export import iter_owned_hf_tensors, owns_tensors
 from sao_megatron.training.metrics_log import MetricsLogger, reward_summary
 from sao_megatron.training.offload import park, resident
 from sao_megatron.training.optim import NonFiniteGuard
@@ -54,6 +55,7 @@ class Trainer:
                                              entropy_coef=cfg.actor.entropy_coef, ppo_epochs=cfg.actor.ppo_epochs,
                                              num_minibatches=cfg.actor.num_minibatches)
         self.rollout = None
+        self.weight_sync = None  # rollout.weight_sync=distributed: every rank sends the tensors it owns
         self.logger = (MetricsLogger(self.run_dir, cfg.logging, run_name=self.run_dir.name,
                                      config_dict=to_dict(cfg)) if self.rank0 else None)
         self._stop_signal: int | None = None
@@ -181,11 +183,23 @@ class Trainer:
                 drain(gen)
 
         rank0_call(start, others=lambda: drain(gen))
+        if self.cfg.rollout.weight_sync != "disk":
+            from sao_megatron.rollout.weight_sync import build_weight_sync
+
+            self.weight_sync = build_weight_sync(self.cfg.rollout, client=None, run_dir=self.run_dir,
+                                                 template_dir=None)
+            self.weight_sync.connect(self.rollout.client.engine_urls if self.rank0 else None,
+                                     is_sender=owns_tensors(self.c.exporter))
 
     def _sync_weights(self) -> dict[str, float]:
-        gen = export_weights(self.c)
         t0 = time.perf_counter()
-        out = rank0_call(lambda: self.rollout.push_weights(gen, self.version), others=lambda: drain(gen))
+        if self.weight_sync is not None:  # collective: each owner sends its own tensors
+            out = self.weight_sync.push(iter_owned_hf_tensors(self.c.exporter), self.version,
+                                        paused=self.rollout.paused(self.version) if self.rank0 else None)
+            out = {"rollout/weight_sync_bytes": out["weight_sync/bytes"], **out} if self.rank0 else {}
+        else:  # disk: rank 0 writes the export while the engines generate
+            gen = export_weights(self.c)
+            out = rank0_call(lambda: self.rollout.push_weights(gen, self.version), others=lambda: drain(gen))
         return (out or {}) | {"timing/weight_sync_s": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ checkpoints
@@ -225,6 +239,8 @@ class Trainer:
             signal.signal(sig, handler)
 
     def close(self) -> None:
+        if self.weight_sync is not None:
+            self.weight_sync.close()
         if self.rollout is not None:
             self.rollout.close()
         if self.logger is not None:

@@ -1,8 +1,7 @@
 """Shared helpers and fixtures of the rollout tests: tiny random Qwen3-MoE checkpoints, engines,
-SGLang contract recording, HF references, a misbehaving fake server and a weight-broadcast receiver.
+SGLang contract recording, HF references and a misbehaving fake server.
 
-Imports stay light (no transformers at import time): the broadcast receiver runs in
-spawned child processes that import this module."""
+Imports stay light (no transformers at import time)."""
 
 from __future__ import annotations
 
@@ -212,38 +211,3 @@ class FakeEngine:
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-def sync_tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
-    """Named tensors of mixed dtypes and sizes for the weight-broadcast tests (deterministic)."""
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(64, 32), (32,), (128, 16), (7,), (300, 8), (3, 3, 3), (16, 16)]
-    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.int64, torch.float16, torch.float32, torch.bfloat16]
-    out = []
-    for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
-        t = torch.randint(0, 1000, shape, generator=gen) if dtype == torch.int64 else torch.randn(shape, generator=gen)
-        out.append((f"model.layers.{i}.w", t.to(dtype)))
-    return out
-
-
-def broadcast_receiver(backend: str, port: int, device: str, seed: int, meta_q, result_q) -> None:
-    """An engine stand-in: joins the group as rank 1 and receives every announced bucket in order."""
-    try:
-        from sao_megatron.rollout.weight_sync import init_custom_process_group
-        import torch.distributed as dist
-
-        group = init_custom_process_group(backend=backend, master_address="127.0.0.1", master_port=port,
-                                          world_size=2, rank=1, group_name="weight_update_group")
-        received: list[tuple[str, torch.Tensor]] = []
-        while (bucket := meta_q.get(timeout=120)) is not None:
-            for name, dtype, shape in zip(bucket["names"], bucket["dtypes"], bucket["shapes"]):
-                t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                dist.broadcast(t, src=0, group=group)
-                received.append((name, t.cpu()))
-        expected = sync_tensors(seed)
-        same = [n for n, _ in received] == [n for n, _ in expected] and all(
-            a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(received, expected))
-        result_q.put(("ok" if same else f"mismatch: got {[n for n, _ in received]}", None))
-        dist.destroy_process_group(group)
-    except BaseException as exc:  # report instead of hanging the parent
-        result_q.put((f"error: {exc!r}", None))

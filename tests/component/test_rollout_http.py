@@ -240,17 +240,25 @@ def test_disk_weight_sync_push(engines, tiny_dirs, tmp_path):  # noqa: F811
 
     async def run():
         async with client_for(engines.urls, recorder) as client:
-            sync = DiskWeightSync(client, tmp_path, keep_last=1, max_shard_bytes=50_000)
+            loop = asyncio.get_running_loop()
+            sync = DiskWeightSync(client=client, sync_root=tmp_path, template_dir=tiny_dirs["base"], keep_last=1,
+                                  max_shard_bytes=50_000, collective=False, api_key=API_KEY)
+
+            def paused(update):  # the sync runs off the loop; its engine calls run on the client's loop
+                asyncio.run_coroutine_threadsafe(update(), loop).result()
             tensors = load_file(tiny_dirs["other"] / "model.safetensors")
-            metrics = await sync.push(tensors.items(), 5, tiny_dirs["base"])
+            metrics = await asyncio.to_thread(sync.push, tensors.items(), 5, paused=paused)
             versions = {i["weight_version"] for i in await client.model_info()}
             result = await client.generate([8, 9, 10], sp)
-            await sync.push(load_file(tiny_dirs["base"] / "model.safetensors").items(), 6, tiny_dirs["base"])
+            base = load_file(tiny_dirs["base"] / "model.safetensors")
+            await asyncio.to_thread(sync.push, base.items(), 6, paused=paused)
+            sync.close()
             return metrics, versions, result
     metrics, versions, r = asyncio.run(run())
     assert not recorder.errors and recorder.counts["/update_weights_from_disk"] == 4  # 2 pushes x 2 engines
     assert versions == {"5"} and r.versions == [5] * len(r.output_ids)
     assert metrics["weight_sync/bytes"] > 0 and [p.name for p in tmp_path.iterdir()] == ["v000006"]
+    assert metrics["weight_sync/verified"] == 1  # the first push of the layout compared checksums
     assert_close(r.logprobs, hf_reference(tiny_dirs["other"], [8, 9, 10], r.output_ids, sp))
 
 def test_engine_killed_mid_request(engines):  # noqa: F811 - kills an engine: keep this test last in the module

@@ -1,4 +1,4 @@
-"""Bucket planning and the atomic sharded safetensors writer (files only, no model)."""
+"""Bucket planning of the distributed sync and the atomic sharded safetensors writer (files only, no model)."""
 
 from __future__ import annotations
 
@@ -9,36 +9,39 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sao_megatron.rollout.weight_sync import TensorMeta, plan_buckets, write_hf_safetensors
+from sao_megatron.rollout.weight_sync import write_hf_safetensors
+from sao_megatron.rollout.weight_sync_distributed import _buckets
 
 pytestmark = pytest.mark.unit
 
 
-def _reference_buckets(sizes: list[int], cap: int) -> list[list[int]]:
-    """Greedy consecutive packing, written the slow obvious way (indices)."""
-    out: list[list[int]] = []
-    for i, s in enumerate(sizes):
-        if out and sum(sizes[j] for j in out[-1]) + s <= cap:
-            out[-1].append(i)
-        else:
-            out.append([i])
+def _reference_buckets(items: list[tuple[str, int, str]], cap: int) -> list[list[str]]:
+    """Per dtype, greedy consecutive packing up to ``cap`` bytes, written the slow obvious way."""
+    out: list[list[str]] = []
+    for dtype in dict.fromkeys(d for _, _, d in items):
+        mine = [(n, s) for n, s, d in items if d == dtype]
+        groups: list[list[tuple[str, int]]] = []
+        for n, s in mine:
+            if groups and sum(x for _, x in groups[-1]) + s <= cap:
+                groups[-1].append((n, s))
+            else:
+                groups.append([(n, s)])
+        out += [[n for n, _ in g] for g in groups]
     return out
 
 
-def test_plan_buckets_matches_reference():
+def test_buckets_one_dtype_each_match_reference():
     rng = random.Random(0)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     for _ in range(100):
-        sizes = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 40))]
-        cap = rng.randrange(50, 1000)
-        metas = [TensorMeta(f"t{i}", "float32", (s,), s) for i, s in enumerate(sizes)]
-        got = [[int(m.name[1:]) for m in bucket] for bucket in plan_buckets(metas, cap)]
-        assert got == _reference_buckets(sizes, cap)
-    with pytest.raises(ValueError):
-        plan_buckets([], 0)
-
-
-def test_tensor_meta_names_sglang_dtypes():
-    assert TensorMeta.of("w", torch.zeros(2, 3, dtype=torch.bfloat16)) == TensorMeta("w", "bfloat16", (2, 3), 12)
+        items = [(f"t{i}", rng.randrange(1, 300), rng.choice(list(dtypes))) for i in range(rng.randrange(1, 30))]
+        cap = rng.randrange(50, 1500)
+        named = [(n, torch.zeros(s, dtype=dtypes[d])) for n, s, d in items]
+        got = [[n for n, _ in b] for b in _buckets(named, cap)]
+        sizes = {n: s * dtypes[d].itemsize for n, s, d in items}
+        want = _reference_buckets([(n, sizes[n], d) for n, _, d in items], cap)
+        assert sorted(got) == sorted(want)  # same buckets; the stream order differs across dtypes
+        assert all(len({named[int(n[1:])][1].dtype for n in b}) == 1 for b in got)
 
 
 def _tensors(n: int = 12) -> list[tuple[str, torch.Tensor]]:
@@ -85,3 +88,31 @@ def test_failed_write_leaves_nothing(tmp_path):
     with pytest.raises(ValueError, match="twice"):
         write_hf_safetensors([("a", torch.ones(2)), ("a", torch.ones(2))], tmp_path / "ckpt")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_engines_with_data_parallel_attention_are_refused_with_the_reason():
+    import httpx
+
+    from sao_megatron.rollout.weight_sync_distributed import DistributedWeightSync, WeightSyncError
+
+    infos = {"a": {"tp_size": 4, "dp_size": 1}, "b": {"tp_size": 8, "dp_size": 8}}
+    sync = DistributedWeightSync(backend="gloo", master_address="127.0.0.1")
+    sync.http = httpx.Client(transport=httpx.MockTransport(lambda req: httpx.Response(200, json=infos[req.url.host])))
+    assert sync._engine_layout(["http://a/"]) == [("http://a", 4)]
+    reason = sync._engine_layout(["http://a", "http://b"])
+    assert "dp_size=8" in reason and "rollout.weight_sync=disk" in reason
+    with pytest.raises(WeightSyncError, match="dp_size=8"):
+        sync.connect(["http://b"], is_sender=True)
+
+
+def test_flattened_bucket_layout_is_sglangs():
+    """Back-to-back bytes; a tensor at an offset that is not a multiple of its size is refused."""
+    from sao_megatron.rollout.update_group import flatten_bucket, unflatten_bucket
+
+    a, b = torch.arange(6, dtype=torch.float32).view(2, 3), torch.tensor([7, 8], dtype=torch.int64)
+    buf = flatten_bucket([a, b])
+    assert buf.dtype == torch.uint8 and buf.numel() == 24 + 16
+    got = unflatten_bucket(buf, [torch.float32, torch.int64], [[2, 3], [2]])
+    assert torch.equal(got[0], a) and torch.equal(got[1], b)
+    with pytest.raises(ValueError, match="unaligned"):
+        unflatten_bucket(torch.zeros(10, dtype=torch.uint8), [torch.bfloat16, torch.float32], [[1], [2]])

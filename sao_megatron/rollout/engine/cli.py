@@ -17,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
     p.add_argument("--port-file", default=None, help="write the bound port here once listening (for --port 0)")
     p.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="token-in/token-out only (always the case here; accepted for SGLang compatibility)")
+                   help="token-in/token-out only: no tokenizer, text prompts refused (as SGLang)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (health probes exempt)")
     p.add_argument("--weight-version", default="0", help="initial weight version reported in replies")
     p.add_argument("--max-running-requests", type=int, default=32, help="requests decoded together at most")
@@ -27,6 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="allow return_routed_experts (MoE router top-k ids per layer)")
     p.add_argument("--served-model-name", default=None, help="name reported by /model_info (default: model dir)")
+    p.add_argument("--weight-update-timeout-s", type=float, default=300.0,
+                   help="bound on every rendezvous and receive of a weight-update group (a dead sender fails it)")
     p.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
     p.set_defaults(func=run)
 
@@ -42,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_running_requests < 1:
         raise ValueError("--max-running-requests must be >= 1")
     torch.set_num_threads(args.num_threads)
+    from sao_megatron.rollout.engine.batching import load_tokenizer
+
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.model_dir)
     runner = ModelRunner(args.model_dir)
     core = EngineCore(runner, weight_version=args.weight_version, max_running=args.max_running_requests,
                       seed=args.seed, logprob_mode=args.logprob_mode)
@@ -53,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     app = EngineServer(core, api_key=args.api_key, host=args.host, port=port,
                        enable_routed_experts=args.enable_return_routed_experts,
-                       served_model_name=args.served_model_name).app()
+                       served_model_name=args.served_model_name,
+                       weight_update_timeout_s=args.weight_update_timeout_s, tokenizer=tokenizer).app()
     if args.port_file:
         tmp = Path(args.port_file + ".tmp")
         tmp.write_text(str(port))

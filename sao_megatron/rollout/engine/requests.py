@@ -1,7 +1,7 @@
 """Turn a ``/generate`` JSON body (SGLang 0.5.23) into an engine request, or refuse it with a reason.
 
 Anything SGLang would accept but this engine cannot honour exactly (penalties,
-grammars, min_p, streaming, batches, input log-probs) is refused with a 400
+grammars, min_p, streaming, input log-probs) is refused with a 400
 naming it: a request must never be silently sampled from another distribution
 than the one asked for.
 """
@@ -64,7 +64,7 @@ def parse_sampling(raw: Any, vocab_size: int) -> Sampling:
     """``sampling_params`` → normalised sampling settings (SGLang's defaults and checks)."""
     raw = raw or {}
     if not isinstance(raw, dict):
-        raise BadRequest("sampling_params must be an object (batches of sampling params are not supported)")
+        raise BadRequest("sampling_params must be an object (a list of objects for a batch)")
     for key, value in raw.items():
         if key not in SAMPLING_KEYS:
             raise BadRequest(f"unknown sampling_params field `{key}`")
@@ -95,7 +95,7 @@ def _check_prompt(ids: Any, limits: ModelLimits) -> list[int]:
     if ids is None:
         raise BadRequest("input_ids is required (the embedded engine is token-in/token-out)")
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise BadRequest("input_ids must be a non-empty list of token ids (batches are not supported)")
+        raise BadRequest("input_ids must be a non-empty list of token ids (or a batch: a list of such lists)")
     if not all(0 <= t < limits.vocab_size for t in ids):
         raise BadRequest(f"input_ids contain ids outside the vocabulary [0, {limits.vocab_size})")
     if len(ids) >= limits.max_context:
@@ -119,7 +119,7 @@ def make_request(body: dict[str, Any], limits: ModelLimits, *, seed: int,
     sampling = parse_sampling(body.get("sampling_params"), limits.vocab_size)
     rid = body.get("rid") or uuid.uuid4().hex
     if not isinstance(rid, str):
-        raise BadRequest("rid must be a string (batches are not supported)")
+        raise BadRequest("rid must be a string (a list of strings for a batch)")
     stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(limits.eos_ids))
     return Request(rid=rid, prompt=prompt, params=sampling.params, max_new_tokens=sampling.max_new_tokens,
                    stop_ids=stops, return_logprob=bool(body.get("return_logprob")), want_routing=want_routing,

@@ -5,8 +5,8 @@ Endpoints and reply shapes follow ``srt/entrypoints/http_server.py`` of sglang
 on every endpoint except ``/health*`` (SGLang exempts health probes so routers
 and orchestrators can check liveness without the secret); otherwise 401
 ``{"error": "Unauthorized"}``. Requests this engine cannot honour exactly are
-refused with a 400 (``requests.py``); the NCCL/tensor weight paths answer 400
-(``rollout.weight_sync=disk`` is the CPU path).
+refused with a 400 (``requests.py``). Weight updates (disk, update groups over
+gloo, ``/weights_checker``) are in ``weight_routes.py``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from sao_megatron.rollout.engine.batching import split_generate_body
 from sao_megatron.rollout.engine.core import EngineCore, settle_future
 from sao_megatron.rollout.engine.requests import BadRequest, ModelLimits, make_request
+from sao_megatron.rollout.engine.weight_routes import WeightRoutes
+from sao_megatron.rollout.engine.weights import EngineWeights
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +64,13 @@ class EngineServer:
     """Route handlers over one ``EngineCore``; ``app()`` builds the FastAPI application."""
 
     def __init__(self, core: EngineCore, *, api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
-                 enable_routed_experts: bool = False, served_model_name: str | None = None):
+                 enable_routed_experts: bool = False, served_model_name: str | None = None,
+                 weight_update_timeout_s: float = 300.0, tokenizer=None):
         self.core, self.runner = core, core.runner
+        self.tokenizer = tokenizer
+        """An HF tokenizer (text prompts, text in replies), or None: token-in/token-out only."""
+        self.weights = EngineWeights(core.runner, timeout_s=weight_update_timeout_s)
+        self.weight_routes = WeightRoutes(core, self.weights)
         self.api_key = api_key
         self.host, self.port = host, port
         self.enable_routed_experts = enable_routed_experts
@@ -95,16 +103,25 @@ class EngineServer:
 
     # ------------------------------------------------------------------ data
     async def generate(self, request: Request):
-        rid, fut = await self.submit(await json_body(request))
-        while not fut.done():
-            await asyncio.wait({fut}, timeout=0.2)
-            if not fut.done() and await request.is_disconnected():  # as SGLang: a gone client aborts
-                self.core.post(lambda: self.core.abort(rid, "client disconnected"))
+        """One prompt, a batch (list of lists, or a list of texts) or a text (with a tokenizer loaded)."""
+        bodies, batch = split_generate_body(await json_body(request), self.tokenizer)
+        for body in bodies:  # refuse the whole batch before queueing any of it
+            make_request(body, self.limits(), seed=self.core.seed, done=lambda _reply: None)
+        submitted = [await self.submit(body) for body in bodies]
+        futs = {fut for _, fut in submitted}
+        while not all(f.done() for f in futs):
+            await asyncio.wait(futs, timeout=0.2)
+            if not all(f.done() for f in futs) and await request.is_disconnected():  # as SGLang: abort
+                for rid, _ in submitted:
+                    self.core.post(lambda rid=rid: self.core.abort(rid, "client disconnected"))
                 return Response(status_code=499)
-        reply = fut.result()
-        if "error" in reply:
-            return JSONResponse({"error": {"message": reply["error"], "code": 500}}, status_code=500)
-        return JSONResponse(reply)
+        replies = [fut.result() for _, fut in submitted]
+        for reply in replies:
+            if "error" in reply:
+                return JSONResponse({"error": {"message": reply["error"], "code": 500}}, status_code=500)
+            if self.tokenizer is not None:
+                reply["text"] = self.tokenizer.decode(reply["output_ids"], skip_special_tokens=True)
+        return JSONResponse(replies if batch else replies[0])
 
     async def health(self):
         return Response(status_code=200 if self.core.alive() else 503)
@@ -144,7 +161,7 @@ class EngineServer:
         pending = list(core.running) + list(core.waiting)
         return {**self._names(), "max_context_length": self.runner.max_context,
                 "version": f"{API_VERSION}+sao-embedded", "host": self.host, "port": self.port, "tp_size": 1,
-                "dp_size": 1, "max_running_requests": core.max_running, "skip_tokenizer_init": True,
+                "dp_size": 1, "max_running_requests": core.max_running, "skip_tokenizer_init": self.tokenizer is None,
                 "enable_return_routed_experts": self.enable_routed_experts, "logprob_mode": core.logprob_mode,
                 "internal_states": [{"weight_version": core.weight_version, "paused": core.paused,
                                      "num_running": len(core.running), "num_waiting": len(core.waiting),
@@ -176,45 +193,9 @@ class EngineServer:
             await self.core.call(lambda: self.core.abort(str(body["rid"])))
         return Response(status_code=200)
 
-    async def begin_weight_update(self, request: Request):
-        await json_body(request)
-        self.core.in_weight_update = True
-        return {"success": True, "message": "Weight update session opened."}
-
-    async def end_weight_update(self, request: Request):
-        await json_body(request)
-        self.core.in_weight_update = False
-        return {"success": True, "message": "Weight update session closed."}
-
-    async def update_weights_from_disk(self, request: Request):
-        """Load and check off the engine thread, then swap between two decode steps.
-
-        Without a pause, in-flight requests continue on their old KV caches (as with
-        in_place); SGLang instead waits for them to finish. The scheduler always pauses first.
-        """
-        body = await json_body(request)
-        path, version = body.get("model_path"), body.get("weight_version")
-        if not isinstance(path, str) or (version is not None and not isinstance(version, str)):
-            raise BadRequest("model_path (string) is required; weight_version must be a string")
-        try:
-            model = await asyncio.to_thread(self.runner.load_checked, path)
-        except (ValueError, OSError) as exc:
-            return JSONResponse({"success": False, "message": str(exc), "num_paused_requests": 0}, status_code=400)
-
-        def swap() -> int:
-            if body.get("abort_all_requests"):
-                self.core.abort_all("aborted for a weight update")
-            self.runner.swap(model, path)
-            if version is not None:
-                self.core.weight_version = version
-            return self.core.num_pending()
-        num_paused = await self.core.call(swap)
-        logger.info("weights updated from %s, version %s", path, self.core.weight_version)
-        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": num_paused}
-
     async def unsupported_weight_path(self, request: Request):
-        return JSONResponse({"success": False, "message": f"{request.url.path} needs GPUs and NCCL; the embedded "
-                             "engine loads weights from disk only (rollout.weight_sync=disk)"}, status_code=400)
+        return JSONResponse({"success": False, "message": f"{request.url.path} passes CUDA IPC handles; the "
+                             "embedded CPU engine takes weights from disk or an update group"}, status_code=400)
 
     # ------------------------------------------------------------------ app
     def app(self) -> FastAPI:
@@ -231,12 +212,7 @@ class EngineServer:
             ("/pause_generation", self.pause_generation, ["POST"]),
             ("/continue_generation", self.continue_generation, ["POST"]),
             ("/abort_request", self.abort_request, ["POST"]),
-            ("/begin_weight_update", self.begin_weight_update, ["POST"]),
-            ("/end_weight_update", self.end_weight_update, ["POST"]),
-            ("/update_weights_from_disk", self.update_weights_from_disk, ["POST"]),
-        ] + [(p, self.unsupported_weight_path, ["POST"]) for p in (
-            "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
-            "/update_weights_from_tensor")]
+        ] + self.weight_routes.routes() + [("/update_weights_from_tensor", self.unsupported_weight_path, ["POST"])]
         for path, handler, methods in routes:
             app.add_api_route(path, handler, methods=methods)
         return app

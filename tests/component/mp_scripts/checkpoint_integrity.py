@@ -38,7 +38,7 @@ def main(out_path: str, workdir: str) -> None:
     from sao_megatron.models.builder import build_model_chunks
     from sao_megatron.training.checkpoint import (CheckpointSaves, load_checkpoint, publish_checkpoint,
                                                   save_checkpoint)
-    from sao_megatron.training.distributed import destroy, init_distributed
+    from sao_megatron.parallel.bootstrap import destroy, init_distributed
     from sao_megatron.training.optim import setup_optimizer, train_step
 
     tiny = ModelConfig(**TINY)

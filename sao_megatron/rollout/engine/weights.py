@@ -1,0 +1,229 @@
+"""Weight updates of the embedded engine with SGLang 0.5.23's semantics.
+
+Sources read: ``srt/model_executor/model_runner_components/weight_updater.py``
+(named update groups, ``rank = rank_offset + tp_rank``, per-tensor async
+broadcasts from group rank 0 or one uint8 broadcast per ``flattened_bucket``),
+``srt/managers/scheduler_components/weight_updater.py`` (updates only inside a
+begin/end session) and ``srt/utils/weight_checker.py`` (checksums).
+
+Everything that blocks (rendezvous, receives, file reads) runs off the engine
+thread; only ``load`` (an in-place copy into the live parameters) runs on it,
+between two forwards. This engine is one CPU rank: ``tp_rank`` is 0 and the
+backend is gloo (NCCL needs GPU tensors, which this engine does not hold).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from sao_megatron.rollout.update_group import (
+    FLATTENED_BUCKET, init_custom_process_group, torch_dtype, unflatten_bucket)
+from sao_megatron.rollout.weight_check import overall_checksum, skipped, tensor_checksum
+
+logger = logging.getLogger(__name__)
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where one checkpoint tensor lives in the model: a parameter and a contiguous range, or indices."""
+
+    param: str
+    shape: tuple[int, ...]
+    start: int = 0
+    index: torch.Tensor | None = None
+    """Flat element indices into ``param`` when the range is not contiguous (e.g. a transposed layout)."""
+
+
+def checkpoint_slots(model: torch.nn.Module) -> dict[str, Slot]:
+    """Checkpoint name → slot, derived from transformers' own reverse conversion (no per-family table).
+
+    Reverted tensors that are contiguous views of a parameter give their range directly; the
+    parameters left (fused ones the reversal copies, e.g. experts' gate_up_proj) are reverted once
+    more holding their own flat element indices, which says where each checkpoint tensor lives.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    params = {n: p.detach() for n, p in model.state_dict(keep_vars=True).items()}
+    owner = {}
+    for name, p in params.items():
+        owner.setdefault(p.untyped_storage().data_ptr(), name)
+    slots, used = {}, set()
+    for key, t in revert_weight_conversion(model, dict(params)).items():
+        param = owner.get(t.untyped_storage().data_ptr())
+        if param is not None and t.is_contiguous():
+            slots[key] = Slot(param, tuple(t.shape), t.storage_offset() - params[param].storage_offset())
+            used.add(param)
+    shared = {params[u].untyped_storage().data_ptr() for u in used}
+    probes, bases, base = {}, {}, 0
+    for name, p in params.items():
+        if name not in used and p.untyped_storage().data_ptr() not in shared:
+            # distinct global values: a reverted element names its parameter and its place in it
+            probes[name], bases[name] = torch.arange(base, base + p.numel()).view(p.shape), base
+            base += p.numel()
+    for key, idx in revert_weight_conversion(model, probes).items():
+        if key in slots:
+            continue
+        flat = idx.reshape(-1)
+        param = next(n for n, b in bases.items() if b <= int(flat[0]) < b + probes[n].numel())
+        local = flat - bases[param]
+        contiguous = bool(torch.equal(local, torch.arange(int(local[0]), int(local[0]) + local.numel())))
+        slots[key] = Slot(param, tuple(idx.shape), int(local[0]), None if contiguous else local.clone())
+    return slots
+
+
+class EngineWeights:
+    """Update groups, receives, in-place loads and checksums over one ``ModelRunner``."""
+
+    def __init__(self, runner, *, timeout_s: float = 300.0):
+        self.runner = runner
+        self.timeout = timedelta(seconds=timeout_s)
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.snapshot: dict[str, torch.Tensor] | None = None
+        self._slots: dict[str, Slot] | None = None
+        self._slots_model = None
+
+    # ---------------------------------------------------------------- update groups
+    def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str) -> tuple[bool, str]:
+        """Join ``group_name`` as rank ``rank_offset`` (blocks until every rank joined or the timeout)."""
+        if not group_name:
+            return False, "Group name cannot be empty"
+        if backend != "gloo":
+            return False, (f"Failed to initialize custom process group: backend {backend!r} needs GPU tensors; "
+                           "the embedded CPU engine joins update groups with backend 'gloo'.")
+        if group_name in self.groups:  # a restarted sender rebuilds its group under the same name
+            self.destroy_group(group_name)
+        try:
+            self.groups[group_name] = init_custom_process_group(
+                backend=backend, master_address=master_address, master_port=master_port, world_size=world_size,
+                rank=rank_offset, group_name=group_name, timeout=self.timeout)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller as SGLang does
+            return False, f"Failed to initialize custom process group: {exc}."
+        return True, "Succeeded to initialize custom process group."
+
+    def destroy_group(self, group_name: str) -> tuple[bool, str]:
+        group = self.groups.pop(group_name, None)
+        if group is None:
+            return False, "The group to be destroyed does not exist."
+        try:
+            dist.destroy_process_group(group)
+        except Exception as exc:  # noqa: BLE001
+            return False, f"Failed to destroy custom process group: {exc}."
+        return True, "Succeeded to destroy custom process group."
+
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+                load_format: str | None) -> NamedTensors:
+        """The announced tensors, broadcast by rank 0 of ``group_name`` (blocking, bounded by the timeout)."""
+        if group_name not in self.groups:
+            raise ValueError(f"Group {group_name} not in {list(self.groups)}. "
+                             "Please call `init_weights_update_group` first.")
+        group = self.groups[group_name]
+        torch_dtypes = [torch_dtype(d) for d in dtypes]
+        if load_format == FLATTENED_BUCKET:
+            sizes = [torch.Size(s).numel() * d.itemsize for d, s in zip(torch_dtypes, shapes)]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8)
+            unflatten_bucket(buf, torch_dtypes, shapes)  # layout checks before joining the broadcast
+            dist.broadcast(buf, src=0, group=group)
+            return list(zip(names, unflatten_bucket(buf, torch_dtypes, shapes)))
+        if load_format is not None:
+            raise ValueError(f"unsupported load_format {load_format!r} (None or {FLATTENED_BUCKET!r})")
+        out = [(n, torch.empty(s, dtype=d)) for n, d, s in zip(names, torch_dtypes, shapes, strict=True)]
+        handles = [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in out]
+        for handle in handles:
+            handle.wait()
+        return out
+
+    # ---------------------------------------------------------------- loading
+    def slots(self) -> dict[str, Slot]:
+        if self._slots is None or self._slots_model is not self.runner.model:
+            self._slots, self._slots_model = checkpoint_slots(self.runner.model), self.runner.model
+        return self._slots
+
+    def check_loadable(self, named: NamedTensors) -> None:
+        """ValueError naming the first tensor that the live model does not have or has in another size."""
+        slots = self.slots()
+        for name, tensor in named:
+            if name not in slots:
+                raise ValueError(f"the served model has no tensor {name!r}")
+            if tuple(slots[name].shape) != tuple(tensor.shape):
+                raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)}, the served model "
+                                 f"{list(slots[name].shape)}")
+
+    @torch.no_grad()
+    def load(self, named: NamedTensors) -> None:
+        """(engine thread) Copy checkpoint tensors into the live parameters, converting to their dtype."""
+        params, slots = self.runner.model.state_dict(keep_vars=True), self.slots()
+        for name, tensor in named:
+            slot = slots[name]
+            flat = params[slot.param].data.view(-1)
+            if slot.index is None:
+                flat[slot.start:slot.start + tensor.numel()].copy_(tensor.reshape(-1))
+            else:
+                flat[slot.index] = tensor.reshape(-1).to(flat.dtype)
+
+    def read_checkpoint(self, model_dir: str | Path) -> NamedTensors:
+        """Every tensor of an HF safetensors directory, checked against the live model; ValueError otherwise.
+
+        Reads the files directly (no model construction): a disk update costs the read plus one copy.
+        """
+        from safetensors.torch import load_file
+
+        from sao_megatron.rollout.engine.model import read_config
+
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ValueError(f"model_path {model_dir} is not a directory")
+        new_cfg, live_cfg = read_config(model_dir), self.runner.config_dict
+        diff = sorted(k for k in set(new_cfg) | set(live_cfg) if new_cfg.get(k) != live_cfg.get(k))
+        if diff:
+            raise ValueError(f"config.json in {model_dir} differs from the served model in {diff[:8]}: "
+                             f"an update must keep the architecture")
+        named = [pair for f in sorted(model_dir.glob("*.safetensors")) for pair in load_file(f).items()]
+        self.check_loadable(named)
+        missing = sorted(set(self.slots()) - {n for n, _ in named})
+        if missing:
+            raise ValueError(f"tensors in {model_dir} lack {len(missing)} of the served model's tensors, "
+                             f"e.g. {missing[:5]}")
+        return named
+
+    # ---------------------------------------------------------------- /weights_checker
+    def _state(self, skip_tensor_list: list[str] | None) -> dict[str, torch.Tensor]:
+        """The live weights under checkpoint (HF) names, as ``save_pretrained`` would write them.
+
+        SGLang reports its own parameter names; this engine's parameters are transformers' fused
+        modules, so it reports the checkpoint names the trainer exports (comparable one to one).
+        """
+        from transformers.core_model_loading import revert_weight_conversion
+
+        model = self.runner.model
+        state = revert_weight_conversion(model, {n: t.detach() for n, t in model.state_dict().items()})
+        return {n: t for n, t in state.items() if not skipped(n, skip_tensor_list)}
+
+    def check(self, action: str, skip_tensor_list: list[str] | None) -> dict | None:
+        """SGLang's WeightChecker actions; the checksum payload for ``checksum``, else None."""
+        if action == "checksum":
+            sums = {n: tensor_checksum(t) for n, t in self._state(skip_tensor_list).items()}
+            info = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                    "pp_size": 1, "rank": 0, "size": 1}
+            return {"checksums": sums, "per_gpu_checksum": overall_checksum(sums), "parallelism_info": [info]}
+        if action == "snapshot":
+            self.snapshot = {n: t.clone() for n, t in self._state(None).items()}
+            return None
+        if action == "compare":
+            if self.snapshot is None:
+                raise ValueError("compare needs a snapshot first (action=snapshot)")
+            live = self._state(skip_tensor_list)
+            bad = [n for n, t in live.items() if n in self.snapshot and not torch.equal(t, self.snapshot[n])]
+            self.snapshot = None
+            if bad:
+                raise ValueError("check tensor equality failed:\n" + "\n".join(f"name={n}" for n in bad))
+            return None
+        raise ValueError(f"Unsupported action={action!r}")

@@ -1,0 +1,465 @@
+"""``rollout.weight_sync=distributed``: every owner of a slice of the weights sends it over its own groups.
+
+Called on EVERY trainer rank (collectively). A *sender* is a rank that owns
+tensors of the export (``training.export.iter_owned_hf_tensors``: TP shards
+gathered inside their TP group, each PP stage and each EP rank with global
+expert ids). Each sender joins one SGLang update group per engine
+(``{prefix}_r{rank}_e{engine}``: the sender is group rank 0, the engine's ranks
+``1..tp_size``), so:
+- no rank-0 funnel: senders stream concurrently, each from its own link;
+- fan-out: sender ``s`` visits the engines in an order rotated by ``s`` and the
+  bucket index, so engines receive from different senders at the same time;
+- no deadlock: a broadcast involves one sender and one engine only, and an
+  engine serialises its updates (SGLang's update lock), so a wait never
+  depends on a third party;
+- a dead engine breaks only its own groups: the others continue, the engine is
+  reported (``failed_engines``) and ``reconnect`` rebuilds its groups later.
+
+Per push (SGLang 0.5.23 protocol): rank 0 opens ``/begin_weight_update`` on
+every live engine while generation is paused; the senders stream their buckets
+(one ``flattened_bucket`` broadcast per bucket, one dtype per bucket so every
+tensor is aligned) with ``/update_weights_from_distributed`` announcing names,
+dtypes and shapes; after every sender finished, rank 0 sends its held-back last
+bucket carrying ``weight_version`` and ``flush_cache``; ``/end_weight_update``.
+After the first push of a layout (and on demand) the engines' ``/weights_checker``
+checksums are compared with the senders' own: a mismatch stops every rank with
+the tensor's name. Every HTTP call and group operation is bounded by ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from sao_megatron.errors import SaoError
+from sao_megatron.rollout.update_group import FLATTENED_BUCKET, dtype_name, flatten_bucket, init_custom_process_group
+from sao_megatron.rollout.weight_check import WeightMismatchError, compare_checksums, expected_checksums
+
+logger = logging.getLogger(__name__)
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+Paused = Callable[[Callable[[], Awaitable[None]]], None]
+"""Runs an update coroutine while generation is paused (rank 0's scheduler), blocking until it is done."""
+
+
+class WeightSyncError(SaoError):
+    """The weights could not be delivered to any engine, or an engine cannot take part in the sync."""
+
+
+class EngineSyncFailed(RuntimeError):
+    """One engine failed during a sync (dead, timed out, or refused); the others continue."""
+
+
+@dataclass
+class EngineLink:
+    """One engine as seen by one sender: its URL, size and this sender's group with it."""
+
+    index: int
+    url: str
+    tp_size: int
+    group_name: str = ""
+    group: Any = None
+    failed: str | None = None
+    joins: int = 0
+    """Groups built with this engine so far: each gets a new name (a broken group cannot be destroyed
+    cleanly while its collective is pending, and torch refuses to reuse the name)."""
+
+
+@dataclass
+class _SenderStats:
+    owned: int = 0
+    """Bytes this sender owns (it sends them to each engine)."""
+    bytes: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    failed: dict[str, str] = field(default_factory=dict)
+    checksums: dict[str, str] = field(default_factory=dict)
+
+
+class _World:
+    """Rank-0-centred object collectives over the trainer's group (a lone process without one)."""
+
+    def __init__(self, group=None, *, alone: bool = False):
+        self.group = group
+        self.on = not alone and dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.on else 0
+        self.size = dist.get_world_size(group) if self.on else 1
+
+    @classmethod
+    def alone(cls) -> _World:
+        return cls(alone=True)
+
+    def bcast(self, obj: Any) -> Any:
+        if not self.on:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        if not self.on:
+            return [obj]
+        box: list[Any] = [None] * self.size
+        dist.all_gather_object(box, obj, group=self.group)
+        return box
+
+
+def _default_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class DistributedWeightSync:
+    """SGLang update groups from every sender to every engine; see the module docstring."""
+
+    def __init__(self, *, backend: str = "gloo", bucket_bytes: int = 512 << 20, timeout_s: float = 300.0,
+                 api_key: str | None = None, master_address: str | None = None, group_prefix: str = "sao_wsync",
+                 load_format: str | None = FLATTENED_BUCKET, verify: bool = True, device: str | None = None,
+                 world_group=None, strict_names: bool = True):
+        """``strict_names``: engines report checksums under HF checkpoint names (the embedded engine);
+        False for SGLang, whose fused parameter names are compared where they coincide."""
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
+        self.backend, self.bucket_bytes, self.timeout_s = backend, bucket_bytes, timeout_s
+        self.master_address = master_address
+        self.group_prefix, self.load_format, self.verify_first = group_prefix, load_format, verify
+        self.strict_names = strict_names
+        self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
+        self.world = _World(world_group)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(headers=headers, trust_env=False, timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wsync-http")
+        self.links: list[EngineLink] = []
+        self.is_sender = False
+        self.sender_index = 0
+        self.needs_verify = verify
+        self.last_stats: list[_SenderStats] = []
+        self._began: list[int] = []
+
+    # ------------------------------------------------------------------ HTTP
+    def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST and return the JSON reply; EngineSyncFailed on transport errors, timeouts or success=False."""
+        try:
+            resp = self.http.post(url + path, json=body)
+            reply = resp.json() if resp.content else {}
+        except (httpx.HTTPError, ValueError) as exc:
+            raise EngineSyncFailed(f"{url}{path}: {type(exc).__name__}: {exc}") from None
+        if resp.status_code != 200 or (isinstance(reply, dict) and reply.get("success") is False):
+            raise EngineSyncFailed(f"{url}{path} answered HTTP {resp.status_code}: {str(reply)[:300]}")
+        return reply
+
+    # ------------------------------------------------------------------ setup (collective)
+    def connect(self, engine_urls: list[str] | None, *, is_sender: bool) -> None:
+        """Every rank: learn the engines (rank 0 passes ``engine_urls``) and, on senders, join their groups."""
+        layout = self.world.bcast(self._engine_layout(engine_urls) if self.world.rank == 0 else None)
+        if isinstance(layout, str):
+            raise WeightSyncError(layout)
+        senders = [r for r, s in enumerate(self.world.gather(bool(is_sender))) if s]
+        self.is_sender, self.sender_index = is_sender, senders.index(self.world.rank) if is_sender else 0
+        self.links = [EngineLink(i, url, tp) for i, (url, tp) in enumerate(layout)]
+        if self.master_address is None:  # loopback engines reach loopback senders; others our host's address
+            loopback = all(httpx.URL(u).host in ("127.0.0.1", "localhost") for u, _ in layout)
+            self.master_address = "127.0.0.1" if loopback else _default_address()
+        if is_sender:
+            for link in self.links:
+                self._join(link)
+        self.needs_verify = self.verify_first
+        self._share_failures()
+
+    def _share_failures(self) -> None:
+        """Rank 0 learns which engines any sender could not join (they stay out until ``reconnect``)."""
+        bad = {u: why for part in self.world.gather({l.url: l.failed for l in self.links if l.failed})
+               for u, why in part.items()}
+        for link in self.links:
+            link.failed = bad.get(link.url)
+        if bad:
+            logger.error("weight-sync groups failed for %s", bad)
+
+    def _engine_layout(self, engine_urls: list[str] | None) -> list[tuple[str, int]] | str:
+        """[(url, tp_size)] from /server_info, or the reason an engine cannot join SGLang's update group."""
+        out = []
+        for url in [u.rstrip("/") for u in engine_urls or []]:
+            try:
+                info = self.http.get(url + "/server_info").json()
+            except (httpx.HTTPError, ValueError) as exc:
+                return f"engine {url} /server_info failed: {exc}"
+            dp, pp = int(info.get("dp_size", 1) or 1), int(info.get("pp_size", 1) or 1)
+            if dp > 1 or pp > 1:
+                return (f"engine {url} runs dp_size={dp}, pp_size={pp}: SGLang joins update groups as "
+                        f"rank_offset + tp_rank and refuses distributed updates with data-parallel replicas, so "
+                        f"only dp=pp=1 engines can take rollout.weight_sync=distributed; use "
+                        f"rollout.weight_sync=disk for these engines")
+            out.append((url, int(info.get("tp_size", 1) or 1)))
+        if not out:
+            return "rollout.weight_sync=distributed needs at least one engine URL"
+        return out
+
+    def _join(self, link: EngineLink) -> None:
+        """Host the group with one engine (this sender = rank 0) while the engine joins it."""
+        if link.group is not None:
+            self._drop_group(link)
+        if link.group_name:  # an engine that lived on still holds our old group: free it (best effort)
+            try:
+                self._post(link.url, "/destroy_weights_update_group", {"group_name": link.group_name})
+            except EngineSyncFailed:
+                pass
+        link.joins += 1
+        link.group_name = f"{self.group_prefix}_r{self.world.rank}_e{link.index}_g{link.joins}"
+        with socket.socket() as s:
+            s.bind((self.master_address, 0))
+            port = s.getsockname()[1]
+        body = {"master_address": self.master_address, "master_port": port, "rank_offset": 1,
+                "world_size": 1 + link.tp_size, "group_name": link.group_name, "backend": self.backend}
+        reply = self.pool.submit(self._post, link.url, "/init_weights_update_group", body)
+        try:
+            link.group = init_custom_process_group(
+                backend=self.backend, master_address=self.master_address, master_port=port,
+                world_size=1 + link.tp_size, rank=0, group_name=link.group_name,
+                timeout=timedelta(seconds=self.timeout_s))
+            reply.result(timeout=self.timeout_s + 10)
+            link.failed = None
+        except Exception as exc:  # noqa: BLE001 - this engine is out until reconnect
+            link.failed = f"joining {link.group_name}: {exc}"
+            link.group = None
+
+    def _drop_group(self, link: EngineLink) -> None:
+        try:
+            dist.destroy_process_group(link.group)
+        except Exception as exc:  # noqa: BLE001 - a broken group may not destroy cleanly
+            logger.warning("destroying %s: %s", link.group_name, exc)
+        link.group = None
+
+    def reconnect(self, engine_url: str | None, new_url: str | None = None) -> None:
+        """Every rank: rebuild every sender's group with a (re)started engine (rank 0 names its URL, and
+        ``new_url`` if it came back elsewhere). The next push sends it the full weights and verifies them
+        (a new layout for that engine); until then it keeps the weights it started with.
+        """
+        names = (engine_url.rstrip("/"), (new_url or engine_url).rstrip("/")) if self.world.rank == 0 else None
+        names = self.world.bcast(names)
+        link = next((l for l in self.links if l.url == names[0]), None)
+        if link is None:
+            raise WeightSyncError(f"reconnect: {names[0]} is not one of the sync's engines "
+                                  f"{[l.url for l in self.links]}")
+        layout = self.world.bcast(self._engine_layout([names[1]]) if self.world.rank == 0 else None)
+        if isinstance(layout, str):
+            raise WeightSyncError(layout)
+        link.url, link.tp_size = layout[0]
+        if self.is_sender:
+            self._join(link)
+        else:
+            link.failed = None
+        self._share_failures()
+        self.needs_verify = True
+
+    def close(self) -> None:
+        for link in self.links:
+            if link.group is not None:
+                try:
+                    self._post(link.url, "/destroy_weights_update_group", {"group_name": link.group_name})
+                except EngineSyncFailed as exc:
+                    logger.warning("%s", exc)
+                self._drop_group(link)
+        self.pool.shutdown(wait=False)
+        self.http.close()
+
+    # ------------------------------------------------------------------ push (collective)
+    def push(self, owned: Iterable[tuple[str, torch.Tensor]], version: int, *, paused: Paused | None = None,
+             verify: bool = False) -> dict[str, float]:
+        """Every rank: send this rank's tensors; rank 0 pauses generation around it (``paused``) and returns
+        the metrics (others return {}). Raises WeightSyncError / WeightMismatchError on every rank."""
+        if self.world.rank != 0:
+            self._send_all(owned, version, verify)
+            return {}
+        result: dict[str, float] = {}
+
+        async def update() -> None:
+            result.update(await asyncio.to_thread(self._send_all, owned, version, verify))
+        if paused is None:
+            asyncio.run(update())
+        else:
+            paused(update)
+        return result
+
+    def _send_all(self, owned: Iterable[tuple[str, torch.Tensor]], version: int, verify: bool) -> dict[str, float]:
+        start = time.perf_counter()
+        verify = verify or self.needs_verify
+        live = self.world.bcast(self._begin_sessions() if self.world.rank == 0 else None)
+        stats = _SenderStats()
+        held = self._stream(owned, live, stats, verify)
+        stats.seconds = time.perf_counter() - start
+        everyone: list[_SenderStats] = self.world.gather(stats)
+        verdict = self._finish(held, version, everyone, verify) if self.world.rank == 0 else None
+        verdict = self.world.bcast(verdict)
+        if isinstance(verdict, str):
+            raise (WeightMismatchError if verdict.startswith("mismatch") else WeightSyncError)(verdict)
+        self.needs_verify = self.needs_verify and not verify
+        self.last_stats = everyone
+        return {} if verdict is None else dict(verdict, **{"weight_sync/seconds": time.perf_counter() - start})
+
+    def _begin_sessions(self) -> list[int]:
+        """(rank 0) Indices of the engines whose update session opened (failed ones wait for ``reconnect``)."""
+        live = []
+        for link in self.links:
+            if link.failed is not None:
+                continue
+            try:
+                self._post(link.url, "/begin_weight_update", {})
+                live.append(link.index)
+            except EngineSyncFailed as exc:
+                link.failed = str(exc)
+                logger.error("engine %s left out of this sync: %s", link.url, exc)
+        self._began = live
+        return live
+
+    def _stream(self, owned, live: list[int], stats: _SenderStats, verify: bool) -> NamedTensors | None:
+        """Send every full bucket; rank 0 keeps its last one back for the version-carrying final call."""
+        held: NamedTensors | None = None
+        for k, bucket in enumerate(_buckets(owned, self.bucket_bytes)):
+            stats.owned += sum(t.numel() * t.element_size() for _, t in bucket)
+            if verify:
+                stats.checksums.update(expected_checksums(bucket))
+            if self.world.rank == 0:
+                bucket, held = held, bucket
+                if bucket is None:
+                    continue
+            self._send_to_engines(bucket, live, k, stats, version=None)
+        return held
+
+    def _send_to_engines(self, bucket: NamedTensors, live: list[int], k: int, stats: _SenderStats, *,
+                         version: int | None) -> None:
+        order = [self.links[live[(self.sender_index + k + j) % len(live)]] for j in range(len(live))] if live else []
+        for link in order:
+            if link.failed or link.url in stats.failed:
+                continue
+            try:
+                self._send_bucket(link, bucket, version)
+                stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                stats.buckets += 1
+            except EngineSyncFailed as exc:
+                stats.failed[link.url] = str(exc)
+                logger.error("weight sync to %s failed: %s", link.url, exc)
+
+    def _send_bucket(self, link: EngineLink, bucket: NamedTensors, version: int | None) -> None:
+        """Announce and broadcast one bucket to one engine; EngineSyncFailed if either side fails."""
+        if link.group is None:
+            raise EngineSyncFailed(f"{link.url}: no update group (call reconnect)")
+        body = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket], "group_name": link.group_name,
+                "flush_cache": version is not None, "abort_all_requests": False, "load_format": self.load_format}
+        if version is not None:
+            body["weight_version"] = str(int(version))
+        reply = self.pool.submit(self._post, link.url, "/update_weights_from_distributed", body)
+        if self.load_format == FLATTENED_BUCKET:
+            works = [dist.broadcast(flatten_bucket([t for _, t in bucket]).to(self.device), src=0, group=link.group,
+                                    async_op=True)]
+        else:
+            works = [dist.broadcast(t.detach().to(self.device).contiguous(), src=0, group=link.group, async_op=True)
+                     for _, t in bucket]
+        try:
+            reply.result(timeout=self.timeout_s + 10)  # the engine answers after its receive and load
+            for work in works:
+                work.wait(timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # noqa: BLE001 - the pending broadcast is abandoned with the group
+            link.group = None  # half-done collectives poison the group: rebuilt by reconnect
+            raise EngineSyncFailed(str(exc)) from None
+
+    def _finish(self, held: NamedTensors | None, version: int, everyone: list[_SenderStats],
+                verify: bool) -> dict[str, float] | str:
+        """(rank 0) The version-carrying last bucket, session ends, checksums; metrics or an error message."""
+        failed = {u: why for s in everyone for u, why in s.failed.items()}
+        for link in self.links:
+            if link.failed is None and link.url in failed:
+                link.failed = failed[link.url]
+        assert held, "rank 0 owns tensors of every export (the embedding)"
+        stats0 = _SenderStats()
+        live = [l.index for l in self.links if l.failed is None]
+        self._send_to_engines(held, live, 0, stats0, version=version)
+        for link in self.links:
+            if link.url in stats0.failed and link.failed is None:
+                link.failed = stats0.failed[link.url]
+        for link in [l for l in self.links if l.index in self._began]:
+            try:  # failed engines too: a live one must not keep a session open
+                self._post(link.url, "/end_weight_update", {})
+            except EngineSyncFailed as exc:
+                link.failed = link.failed or str(exc)
+        ok = [l for l in self.links if l.failed is None]
+        if not ok:
+            return f"weight sync of version {version} reached no engine: " + "; ".join(
+                f"{l.url}: {l.failed}" for l in self.links)
+        if verify:
+            expected = {n: c for s in everyone for n, c in s.checksums.items()}
+            try:
+                self._verify(ok, expected)
+            except WeightMismatchError as exc:
+                return f"mismatch: {exc}"
+        return self._metrics(everyone, stats0, verify)
+
+    def _verify(self, links: list[EngineLink], expected: dict[str, str]) -> None:
+        for link in links:
+            check_engine(self.http, link.url, expected, strict=self.strict_names)
+
+    def _metrics(self, everyone: list[_SenderStats], stats0: _SenderStats, verify: bool) -> dict[str, float]:
+        failed = [l for l in self.links if l.failed is not None]
+        return {"weight_sync/bytes": float(sum(s.bytes for s in everyone) + stats0.bytes),
+                "weight_sync/engine_bytes": float(sum(s.owned for s in everyone)),
+                "weight_sync/num_senders": float(sum(s.owned > 0 for s in everyone)),
+                "weight_sync/sender_bytes_max": float(max(s.owned for s in everyone)),
+                "weight_sync/sender_seconds_max": max((s.seconds for s in everyone), default=0.0),
+                "weight_sync/buckets": float(sum(s.buckets for s in everyone) + stats0.buckets),
+                "weight_sync/failed_engines": float(len(failed)), "weight_sync/verified": float(verify)}
+
+    def failed_engines(self) -> dict[str, str]:
+        """(rank 0) URL → reason for engines left out of the last push (they serve the previous version)."""
+        return {l.url: l.failed for l in self.links if l.failed is not None}
+
+
+def check_engine(http: httpx.Client, url: str, expected: dict[str, str], *, strict: bool) -> int:
+    """Compare one engine's ``/weights_checker`` checksums with the export's; returns tensors compared.
+
+    Engines serving tp_size > 1 report per-rank shards, not comparable with full tensors: not
+    verified (a warning; the log-prob parity gate covers them). WeightMismatchError on a difference.
+    """
+    try:
+        reply = http.post(url.rstrip("/") + "/weights_checker", json={"action": "checksum"}).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise WeightSyncError(f"{url}/weights_checker failed: {exc}") from None
+    if not reply.get("success"):
+        raise WeightSyncError(f"{url}/weights_checker failed: {reply.get('message')}")
+    ranks = reply.get("ranks") or []
+    if len(ranks) != 1 or any(int(i["tp_size"]) > 1 for i in ranks[0]["parallelism_info"]):
+        logger.warning("%s serves %d ranks: shard checksums are not comparable with full tensors; not verified "
+                       "(use the log-prob parity gate)", url, len(ranks))
+        return 0
+    compared = compare_checksums(expected, ranks[0]["checksums"], where=f"engine {url}", require_all=strict)
+    if not compared:
+        logger.warning("%s: no tensor named alike on both sides; weights not verified", url)
+    return compared
+
+
+def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
+    """Buckets of one dtype each and at most ``bucket_bytes`` (a larger tensor travels alone)."""
+    pending: dict[torch.dtype, tuple[NamedTensors, int]] = {}
+    for name, tensor in named:
+        items, size = pending.get(tensor.dtype, ([], 0))
+        nbytes = tensor.numel() * tensor.element_size()
+        if items and size + nbytes > bucket_bytes:
+            yield items
+            items, size = [], 0
+        items.append((name, tensor.detach()))
+        pending[tensor.dtype] = (items, size + nbytes)
+    for items, _ in pending.values():
+        if items:
+            yield items

@@ -1,0 +1,232 @@
+"""``rollout.weight_sync=distributed`` against real embedded engines: SGLang's update-group protocol over
+gloo, checksums from /weights_checker, session rules, and an engine killed during a sync.
+
+The sender is one process without a trainer world (one owner of every tensor); the multi-rank
+trainer path is in tests/e2e/test_weight_sync_trainer.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+
+import httpx
+import pytest
+import torch
+from rollout_fixtures import API_KEY, assert_close, hf_reference, tiny_dirs  # noqa: F401 - fixture
+
+from sao_megatron.rollout import contract
+from sao_megatron.rollout.client import RolloutClient
+from sao_megatron.rollout.launch import LocalEngines
+from sao_megatron.rollout.types import SamplingParams
+from sao_megatron.rollout.weight_check import WeightMismatchError
+from sao_megatron.rollout.weight_sync_distributed import DistributedWeightSync, WeightSyncError
+
+pytestmark = pytest.mark.component
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dirs, tmp_path_factory):  # noqa: F811
+    with LocalEngines(tiny_dirs["base"], 2, api_key=API_KEY, log_dir=tmp_path_factory.mktemp("wsync-logs"),
+                      extra_args=["--weight-update-timeout-s", "20"]) as eng:
+        yield eng
+
+
+def other_tensors(tiny_dirs) -> list[tuple[str, torch.Tensor]]:  # noqa: F811
+    from safetensors.torch import load_file
+
+    return sorted(load_file(tiny_dirs["other"] / "model.safetensors").items())
+
+
+def make_sync(**kw) -> tuple[DistributedWeightSync, list[tuple[str, dict]]]:
+    """A sync whose every request body is checked against SGLang 0.5.23's io_struct (and recorded)."""
+    sync = DistributedWeightSync(backend="gloo", api_key=API_KEY, master_address="127.0.0.1", timeout_s=20,
+                                 **kw)
+    calls: list[tuple[str, dict]] = []
+    post = sync._post
+
+    def checked(url, path, body):
+        contract.check_control_request(path, body)
+        calls.append((path, body))
+        return post(url, path, body)
+    sync._post = checked
+    return sync, calls
+
+
+def engine_logprobs(urls, prompt, sp):
+    async def run():
+        async with RolloutClient(urls, api_key=API_KEY) as client:
+            return [await client._generate_at(u, {"input_ids": prompt, "sampling_params": {
+                "max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature}, "return_logprob": True,
+                "rid": f"r{i}"}, f"r{i}", False, via_router=False) for i, u in enumerate(urls)]
+    return asyncio.run(run())
+
+
+def versions(urls) -> list[str]:
+    return [httpx.get(u + "/model_info", headers=HEADERS).json()["weight_version"] for u in urls]
+
+
+def test_push_reaches_both_engines_and_verifies(engines, tiny_dirs):  # noqa: F811
+    sync, calls = make_sync(bucket_bytes=40_000)
+    sync.connect(engines.urls, is_sender=True)
+    try:
+        metrics = sync.push(other_tensors(tiny_dirs), 5)
+    finally:
+        sync.close()
+    paths = [p for p, _ in calls]
+    assert paths.count("/init_weights_update_group") == 2 and paths.count("/begin_weight_update") == 2
+    assert paths.count("/end_weight_update") == 2
+    updates = [b for p, b in calls if p == "/update_weights_from_distributed"]
+    assert len(updates) >= 6 and all(b["load_format"] == "flattened_bucket" for b in updates)
+    assert [b.get("weight_version") for b in updates].count("5") == 2  # the last bucket per engine only
+    assert all(b["flush_cache"] == ("weight_version" in b) for b in updates)
+    assert all(len({str(d) for d in b["dtypes"]}) == 1 for b in updates)  # one dtype per bucket: aligned
+    assert metrics["weight_sync/verified"] == 1 and metrics["weight_sync/failed_engines"] == 0
+    assert metrics["weight_sync/bytes"] == 2 * sum(t.numel() * 4 for _, t in other_tensors(tiny_dirs))
+    assert metrics["weight_sync/engine_bytes"] == metrics["weight_sync/sender_bytes_max"] == metrics[
+        "weight_sync/bytes"] / 2 and metrics["weight_sync/num_senders"] == 1
+    assert versions(engines.urls) == ["5", "5"]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.8)
+    for result in engine_logprobs(engines.urls, [8, 9, 10], sp):
+        assert_close(result.logprobs, hf_reference(tiny_dirs["other"], [8, 9, 10], result.output_ids, sp))
+
+
+def test_checksums_are_sglangs(engines, tiny_dirs):  # noqa: F811
+    """Reference: sha256 of the raw bytes, first 8 bytes big-endian (SGLang's CPU tensor_hash)."""
+    from safetensors.torch import load_file
+
+    reply = httpx.post(engines.urls[0] + "/weights_checker", json={"action": "checksum"}, headers=HEADERS).json()
+    contract.check_control_request("/weights_checker", {"action": "checksum"})
+    assert reply["success"] and len(reply["ranks"]) == 1
+    sums = reply["ranks"][0]["checksums"]
+    served = load_file(tiny_dirs["other"] / "model.safetensors")  # the previous test's push
+    for name, t in served.items():
+        ref = hashlib.sha256(t.contiguous().numpy().tobytes()).digest()[:8].hex()
+        assert sums[name] == ref, name
+    overall = hashlib.sha256(b"".join(n.encode() + sums[n].encode() for n in sorted(sums))).hexdigest()
+    assert reply["ranks"][0]["per_gpu_checksum"] == overall
+    assert reply["per_engine_checksum"] == hashlib.sha256(overall.encode()).hexdigest()
+
+
+def test_session_rules_are_sglangs(engines):
+    url = engines.urls[0]
+
+    def post(path, body=None):
+        return httpx.post(url + path, json=body or {}, headers=HEADERS)
+    body = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[128, 32]], "group_name": "nope"}
+    r = post("/update_weights_from_distributed", body)
+    assert r.status_code == 400 and "between begin_weight_update() and end_weight_update()" in r.json()["message"]
+    assert post("/end_weight_update").status_code == 400
+    assert post("/begin_weight_update").status_code == 200
+    assert post("/begin_weight_update").status_code == 400
+    r = post("/update_weights_from_distributed", body)  # in a session, but no such group
+    assert r.status_code == 400 and "Please call `init_weights_update_group` first" in r.json()["message"]
+    assert post("/end_weight_update").status_code == 200
+    r = post("/destroy_weights_update_group", {"group_name": "nope"})
+    assert r.status_code == 400 and r.json() == {"success": False,
+                                                 "message": "The group to be destroyed does not exist."}
+
+
+def test_corrupted_bytes_stop_with_the_tensor_name(engines, tiny_dirs, monkeypatch):  # noqa: F811
+    import sao_megatron.rollout.weight_sync_distributed as wsd
+
+    real = wsd.flatten_bucket
+
+    def corrupt(tensors):  # flips one byte of lm_head in transit (a receive-buffer race, say)
+        buf = real(tensors)
+        if any(t.shape == (128, 32) for t in tensors):
+            buf[7] ^= 0xFF
+        return buf
+    monkeypatch.setattr(wsd, "flatten_bucket", corrupt)
+    sync, _ = make_sync(bucket_bytes=40_000)
+    sync.connect(engines.urls, is_sender=True)
+    try:
+        with pytest.raises(WeightMismatchError, match=r"lm_head\.weight|embed_tokens\.weight"):
+            sync.push(other_tensors(tiny_dirs), 6)
+        monkeypatch.setattr(wsd, "flatten_bucket", real)
+        sync.reconnect(engines.urls[1])  # rebuilt groups; the next push is verified again
+        assert sync.needs_verify
+        metrics = sync.push(other_tensors(tiny_dirs), 7)
+    finally:
+        sync.close()
+    assert metrics["weight_sync/verified"] == 1 and versions(engines.urls) == ["7", "7"]
+
+
+def test_refused_update_leaves_engine_out_until_reconnect(engines, tiny_dirs):  # noqa: F811
+    """Engine 1 refuses mid-sync (its session was closed under it): the sync finishes on engine 0, the
+    broken group is abandoned, and reconnect builds a new one so the next push reaches both."""
+    sync, _ = make_sync(bucket_bytes=20_000)
+    sync.connect(engines.urls, is_sender=True)
+    real, seen = sync._send_bucket, []
+
+    def send(link, bucket, version):
+        seen.append(link.index)
+        if link.index == 1 and seen.count(1) == 2:
+            httpx.post(link.url + "/end_weight_update", json={}, headers=HEADERS)
+        return real(link, bucket, version)
+    sync._send_bucket = send
+    try:
+        metrics = sync.push(other_tensors(tiny_dirs), 11)
+        assert metrics["weight_sync/failed_engines"] == 1 and versions(engines.urls) == ["11", "7"]
+        sync._send_bucket = real
+        sync.reconnect(engines.urls[1])
+        metrics = sync.push(other_tensors(tiny_dirs), 12)
+    finally:
+        sync.close()
+    assert metrics["weight_sync/failed_engines"] == 0 and metrics["weight_sync/verified"] == 1
+    assert versions(engines.urls) == ["12", "12"]
+
+
+def test_generate_batch_and_text_as_sglang(engines, tiny_dirs):  # noqa: F811
+    """A batch (list of lists) answers a list in order, each reply as the single request's;
+    text without a tokenizer is refused with SGLang's own message."""
+    from sao_megatron.rollout.engine.batching import TEXT_REFUSED
+
+    url = engines.urls[0]
+    sp = {"max_new_tokens": 5, "temperature": 0.7, "sampling_seed": 3}
+    prompts = [[8, 9, 10], [4], [20, 21, 22, 23]]
+    body = {"input_ids": prompts, "sampling_params": sp, "return_logprob": True, "rid": ["b0", "b1", "b2"]}
+    batch = httpx.post(url + "/generate", json=body, headers=HEADERS, timeout=60).json()
+    contract.check_generate_request(body)
+    assert isinstance(batch, list) and [r["meta_info"]["id"] for r in batch] == ["b0", "b1", "b2"]
+    for prompt, reply in zip(prompts, batch):
+        contract.check_generate_reply(reply)
+        single = httpx.post(url + "/generate", headers=HEADERS, timeout=60, json={
+            "input_ids": prompt, "sampling_params": sp, "return_logprob": True}).json()
+        assert reply["output_ids"] == single["output_ids"]
+        lps = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
+        params = SamplingParams(max_new_tokens=5, temperature=0.7)
+        assert_close(lps, hf_reference(tiny_dirs["other"], prompt, reply["output_ids"], params))
+    r = httpx.post(url + "/generate", json={"text": "hello", "sampling_params": sp}, headers=HEADERS)
+    assert r.status_code == 400 and r.json()["error"]["message"] == TEXT_REFUSED
+    r = httpx.post(url + "/generate", json={"input_ids": [[1, 2], [1, 999]]}, headers=HEADERS)
+    assert r.status_code == 400 and "vocabulary" in r.text  # one bad prompt refuses the whole batch
+
+
+def test_engine_killed_during_sync(engines, tiny_dirs):  # noqa: F811 - kills an engine: keep last
+    sync, _ = make_sync(bucket_bytes=20_000)
+    sync.connect(engines.urls, is_sender=True)
+    real, sent = sync._send_bucket, []
+
+    def send(link, bucket, version):
+        sent.append(link.index)
+        if sent.count(1) == 2:  # engine 1 dies after its first bucket, in the middle of the sync
+            engines.kill(1)
+        return real(link, bucket, version)
+    sync._send_bucket = send
+    start = time.monotonic()
+    try:
+        metrics = sync.push(other_tensors(tiny_dirs), 8)
+        assert time.monotonic() - start < 60
+        assert metrics["weight_sync/failed_engines"] == 1 and list(sync.failed_engines()) == [engines.urls[1]]
+        assert versions(engines.urls[:1]) == ["8"]
+        metrics = sync.push(other_tensors(tiny_dirs), 9)  # the dead engine stays out until reconnect
+        assert metrics["weight_sync/failed_engines"] == 1 and versions(engines.urls[:1]) == ["9"]
+        engines.kill(0)
+        with pytest.raises(WeightSyncError, match="reached no engine"):
+            sync.push(other_tensors(tiny_dirs), 10)
+    finally:
+        sync.close()
+    assert time.monotonic() - start < 120
