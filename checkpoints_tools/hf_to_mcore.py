@@ -21,7 +21,7 @@ from sao_megatron.models.families.base import Entry
 from sao_megatron.models.families.hf_config import read_hf_config
 from sao_megatron.models.families.hf_files import HfCheckpoint
 
-from checkpoints_tools import common
+from checkpoints_tools import common, mtp
 
 logger = logging.getLogger(__name__)
 
@@ -84,4 +84,5 @@ def convert_hf_to_mcore(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path,
             info = {"source": str(pathlib.Path(hf_dir).resolve()), "family": src.family.name,
                     "architectures": src.hf_config.get("architectures"), "layout": {"tp": tp, "pp": pp, "ep": ep}}
             common.write_metadata(tmp, src.model_cfg, info)
+            mtp.save_aside(src.ckpt, src.model_cfg.num_layers, tmp)
     return out

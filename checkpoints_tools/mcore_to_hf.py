@@ -18,7 +18,7 @@ from sao_megatron.config.schema import ModelConfig
 from sao_megatron.models.families import ConversionError, get_family, hf_config_from_model
 from sao_megatron.models.families.hf_config import read_hf_config
 
-from checkpoints_tools import common
+from checkpoints_tools import common, mtp
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ def convert_mcore_to_hf(mcore_dir: str | pathlib.Path, out_dir: str | pathlib.Pa
         write_hf_weights(plan, tmp, dtype=out_dtype, max_shard_bytes=max_shard_bytes, progress=progress)
         if ctx.rank == 0:
             _write_side_files(tmp, model_cfg, template)
+            mtp.append_to_hf(mcore_dir, tmp, out_dtype)
     return out
 
 

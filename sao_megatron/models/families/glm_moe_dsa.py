@@ -78,7 +78,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     types = ["full" if b.dsa_runs_indexer(cfg, i) else "shared" for i in range(cfg.num_layers)]
     return {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", **mla.mla_hf_fields(cfg),
             "index_n_heads": cfg.dsa_indexer_n_heads, "index_head_dim": cfg.dsa_indexer_head_dim,
-            "index_topk": cfg.dsa_indexer_topk, "indexer_types": types}
+            "index_topk": cfg.dsa_indexer_topk, "indexer_types": types,
+            "mlp_layer_types": ["sparse" if b.is_moe_layer(cfg, i) else "dense" for i in range(cfg.num_layers)]}
 
 
 FAMILY = b.Family(

@@ -158,7 +158,6 @@ def mla_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         "n_routed_experts": cfg.num_moe_experts,
         "n_shared_experts": (cfg.moe_shared_expert_intermediate_size or 0) // cfg.moe_ffn_hidden_size,
         "first_k_dense_replace": moe.index(True) if True in moe else cfg.num_layers,
-        "mlp_layer_types": ["sparse" if m else "dense" for m in moe],
         "norm_topk_prob": True, "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0,
         "n_group": cfg.moe_router_num_groups or 1, "topk_group": cfg.moe_router_group_topk or 1,
         "num_nextn_predict_layers": cfg.mtp_num_layers or 0,

@@ -78,6 +78,30 @@ def write_hf_dir(name: str, out_dir: str | pathlib.Path, seed: int = 0, max_shar
     out = pathlib.Path(out_dir)
     model = build_model(hub, seed)
     model.save_pretrained(str(out), max_shard_size=max_shard_size)
+    add_mtp_layers(out, hub, seed)
     (out / "config.json").write_text(json.dumps(hub, indent=2) + "\n")
     (out / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512, "fixture": name}) + "\n")
     return out
+
+
+def add_mtp_layers(out: pathlib.Path, hub: dict[str, Any], seed: int) -> None:
+    """Random MTP-layer tensors (as the hub checkpoints store them) in one more shard; transformers skips them."""
+    import torch
+    from safetensors.torch import save_file
+
+    h, first = hub["hidden_size"], hub["num_hidden_layers"]
+    gen = torch.Generator().manual_seed(seed + 7)
+    tensors = {}
+    for i in range(hub.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{first + i}."
+        shapes = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+                  "shared_head.norm.weight": (h,), "input_layernorm.weight": (h,),
+                  "self_attn.kv_a_layernorm.weight": (hub["kv_lora_rank"],)}
+        tensors |= {p + k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    if not tensors:
+        return
+    save_file(tensors, str(out / "model-mtp-fixture.safetensors"), metadata={"format": "pt"})
+    index_path = out / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update(dict.fromkeys(tensors, "model-mtp-fixture.safetensors"))
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
