@@ -2,8 +2,8 @@
 
 The reference is transformers itself (``DeepseekV3ForCausalLM`` / ``GlmMoeDsaForCausalLM``, fp32,
 eager) on sequences longer than the indexer's top-k. One plain-python launch converts every
-shape and runs the mutations (mla_roundtrip.py); one torchrun launch covers TP2xEP2 and PP2
-(mla_layouts.py, ``slow``).
+shape and runs the mutations (mla_roundtrip.py, ``slow``: minutes on 2 cores); one torchrun launch
+covers TP2xEP2 and PP2 (mla_layouts.py, ``slow``). The default run converts one GLM-5 shape (quick).
 """
 
 from __future__ import annotations
@@ -26,6 +26,14 @@ TOL = 1e-4
 DSA_SHAPES = [n for n, s in SHAPES.items() if "index_topk" in s]
 
 
+def test_quick_glm5_round_trip_parity_and_mtp(tmp_path):
+    """Default-suite smoke: sparse (top-8 of 32 keys) GLM-5 with shared-indexer layers and an MTP layer."""
+    run([sys.executable, SCRIPTS / "mla_roundtrip.py", tmp_path, tmp_path / "r.json", "--quick"], timeout=600)
+    r = json.loads((tmp_path / "r.json").read_text())["shapes"]["glm5_shared_idx_mtp"]
+    assert r["max_abs_diff"] <= TOL and r["max_abs_logit"] > 0.5, r
+    assert_bit_exact(tmp_path / "glm5_shared_idx_mtp" / "hf", tmp_path / "glm5_shared_idx_mtp" / "hf_out")
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     work = tmp_path_factory.mktemp("convert_mla")
@@ -33,18 +41,21 @@ def converted(tmp_path_factory):
     return work, json.loads((work / "report.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_fp32_logits_parity_with_transformers(converted, name):
     r = converted[1]["shapes"][name]
     assert r["max_abs_diff"] <= TOL and r["max_abs_logit"] > 0.5, r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", DSA_SHAPES)
 def test_parity_covers_the_sparse_path(converted, name):
     """transformers' own logits change when the top-k covers every key: the 32-token check is sparse."""
     assert converted[1]["shapes"][name]["sparse_effect"] > 100 * TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_hf_to_megatron_to_hf_is_bit_exact_including_mtp_layers(converted, name):
     base = converted[0] / name
@@ -55,11 +66,13 @@ def test_hf_to_megatron_to_hf_is_bit_exact_including_mtp_layers(converted, name)
     assert bool(mtp) == bool(SHAPES[name]["num_nextn_predict_layers"]), mtp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutation", ["dsv3_no_yarn", "dsv3_no_groups", "glm5_k_norm_swapped"])
 def test_dropping_an_architecture_detail_breaks_parity(converted, mutation):
     assert converted[1]["mutations"][mutation] > 100 * TOL
 
 
+@pytest.mark.slow
 def test_hadamard_rotation_keeps_parity_and_cpu_needs_its_shim(converted):
     report = converted[1]
     assert report["mutations"]["glm5_rotation_off"] <= TOL  # rotated or not: same top-k, same logits
