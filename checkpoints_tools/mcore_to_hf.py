@@ -16,6 +16,7 @@ import torch
 
 from sao_megatron.config.schema import ModelConfig
 from sao_megatron.models.families import ConversionError, get_family, hf_config_from_model
+from sao_megatron.models.families.fp8 import strip_quantization_config
 from sao_megatron.models.families.hf_config import read_hf_config
 
 from checkpoints_tools import common, mtp
@@ -87,3 +88,5 @@ def _write_side_files(out: pathlib.Path, model_cfg: ModelConfig, template: pathl
         return
     for path in template_files(template):
         shutil.copy2(path, out / path.name)
+    if (out / "config.json").is_file():  # block-FP8 template: the export holds unquantized weights
+        strip_quantization_config(out / "config.json")
