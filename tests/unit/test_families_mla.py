@@ -122,3 +122,14 @@ def test_dsa_model_cannot_be_written_as_deepseek_v3():
     cfg = dataclasses.replace(model_config_from_hf(SHAPES["glm5_full_idx"]), family="deepseek_v3")
     with pytest.raises(ConversionError, match="glm_moe_dsa"):
         hf_config_from_model(cfg)
+
+
+def test_critic_frozen_attention_covers_mla_and_the_indexer():
+    """Every mapped tensor under self_attention (latent projections, norms, indexer) is 'attention'."""
+    from sao_megatron.models.critic import param_group
+    from sao_megatron.models.families import get_family
+
+    cfg = model_config_from_hf(SHAPES["glm5_shared_idx_mtp"])
+    names = [e.mcore for e in get_family("glm_moe_dsa").weight_map(cfg).entries if ".self_attention." in e.mcore]
+    assert any(".indexer." in n for n in names) and any("kv_layernorm" in n for n in names)
+    assert {param_group(n) for n in names} == {"attention"}
