@@ -192,8 +192,26 @@ def build_model_chunks(model: ModelConfig, ctx: ParallelContext, *, value_head: 
     use_te = transformer_engine_usable() if use_te is None else use_te
     config = build_transformer_config(model, ctx.parallel, use_te=use_te, recompute=recompute)
     stages = [None] if ctx.vpp_size is None or ctx.pp_size == 1 else list(range(ctx.vpp_size))
-    return [build_gpt_model(model, ctx, vp_stage=s, value_head=value_head, config=config, use_te=use_te)
-            for s in stages]
+    chunks = [build_gpt_model(model, ctx, vp_stage=s, value_head=value_head, config=config, use_te=use_te)
+              for s in stages]
+    freeze_dsa_indexer(chunks)
+    return chunks
+
+
+def freeze_dsa_indexer(chunks: list[torch.nn.Module]) -> int:
+    """requires_grad=False on every DSA indexer parameter; returns how many.
+
+    The top-k is not differentiable and the indexer's own KL loss is off in RL, so the policy
+    and value losses give the indexer no gradient; left trainable, weight decay alone would move
+    it. Frozen, trainer and engines select the same keys for the same tokens (docs/mla-dsa.md).
+    """
+    frozen = 0
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".core_attention.indexer." in name:
+                param.requires_grad_(False)
+                frozen += 1
+    return frozen
 
 
 def count_parameters(chunks: list[torch.nn.Module]) -> dict[str, int]:
