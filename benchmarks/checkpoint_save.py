@@ -42,7 +42,7 @@ import time
 
 def build(args):
     from sao_megatron.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
-    from sao_megatron.models import cpu_support
+    from sao_megatron.parallel import cpu_support
     from sao_megatron.models.builder import build_model_chunks
     from sao_megatron.parallel.bootstrap import init_distributed
     from sao_megatron.training.optim import setup_optimizer

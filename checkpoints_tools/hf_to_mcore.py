@@ -19,9 +19,10 @@ from sao_megatron.config.schema import ModelConfig
 from sao_megatron.models.families import Family, WeightMap, family_for_hf
 from sao_megatron.models.families.base import Entry
 from sao_megatron.models.families.hf_config import read_hf_config
+from sao_megatron.models.families.fp8 import open_checkpoint
 from sao_megatron.models.families.hf_files import HfCheckpoint
 
-from checkpoints_tools import common
+from checkpoints_tools import common, mtp
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def open_hf(hf_dir: str | pathlib.Path, *, dtype: str | None = None, family: Fam
     if dtype:
         model_cfg = dataclasses.replace(model_cfg, params_dtype=dtype)
     wmap = fam.weight_map(model_cfg)
-    ckpt = HfCheckpoint(hf_dir)
+    ckpt = open_checkpoint(hf_dir, hf_cfg)  # block-FP8 weights read back dequantized
     ckpt.validate(fam, wmap)
     return HfSource(fam, model_cfg, wmap, ckpt, hf_cfg)
 
@@ -88,4 +89,5 @@ def convert_hf_to_mcore(hf_dir: str | pathlib.Path, out_dir: str | pathlib.Path,
                     "architectures": src.hf_config.get("architectures"),
                     "layout": {"tp": tp, "pp": pp, "ep": ep, "etp": etp or tp}}
             common.write_metadata(tmp, src.model_cfg, info)
+            mtp.save_aside(src.ckpt, src.model_cfg.num_layers, tmp)
     return out

@@ -16,9 +16,10 @@ import torch
 
 from sao_megatron.config.schema import ModelConfig
 from sao_megatron.models.families import ConversionError, get_family, hf_config_from_model
+from sao_megatron.models.families.fp8 import strip_quantization_config
 from sao_megatron.models.families.hf_config import read_hf_config
 
-from checkpoints_tools import common
+from checkpoints_tools import common, mtp
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def convert_mcore_to_hf(mcore_dir: str | pathlib.Path, out_dir: str | pathlib.Pa
         write_hf_weights(plan, tmp, dtype=out_dtype, max_shard_bytes=max_shard_bytes, progress=progress)
         if ctx.rank == 0:
             _write_side_files(tmp, model_cfg, template)
+            mtp.append_to_hf(mcore_dir, tmp, out_dtype)
     return out
 
 
@@ -90,3 +92,5 @@ def _write_side_files(out: pathlib.Path, model_cfg: ModelConfig, template: pathl
         return
     for path in template_files(template):
         shutil.copy2(path, out / path.name)
+    if (out / "config.json").is_file():  # block-FP8 template: the export holds unquantized weights
+        strip_quantization_config(out / "config.json")

@@ -19,7 +19,7 @@ cfg = dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """Architecture of the actor (and the critic trunk); Megatron field names."""
 
-    family: Literal["qwen3_moe", "glm4_moe"] = "qwen3_moe"
+    family: Literal["qwen3_moe", "glm4_moe", "deepseek_v3", "glm_moe_dsa"] = "qwen3_moe"
     """Model family: selects the HF<->Megatron mapping and family defaults."""
     num_layers: int = 2
     """Number of transformer layers."""
@@ -81,6 +81,57 @@ class ModelConfig:
     """Parameter/compute dtype (bf16 on GPU, fp32 on CPU)."""
     hf_dir: str | None = None
     """Optional HF checkpoint directory the run starts from (converted at start)."""
+    # Multi-head latent attention (DeepSeek-V3, GLM-5): Megatron's MLATransformerConfig fields.
+    multi_latent_attention: bool = False
+    """MLA: LoRA-compressed q and kv (DeepSeek-V3, GLM-5); the GQA fields above are then unused."""
+    q_lora_rank: int | None = None
+    """MLA query compression rank (HF q_lora_rank); None projects queries directly."""
+    kv_lora_rank: int = 512
+    """MLA key/value compression rank (HF kv_lora_rank)."""
+    qk_head_dim: int = 128
+    """MLA per-head q/k dimension without rope (HF qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA per-head rotary q/k dimension (HF qk_rope_head_dim)."""
+    v_head_dim: int = 128
+    """MLA per-head value dimension (HF v_head_dim)."""
+    rope_type: Literal["rope", "yarn"] = "rope"
+    """MLA rotary embedding: plain rope or YaRN (HF rope_scaling type yarn)."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN scaling factor (HF rope_scaling.factor)."""
+    original_max_position_embeddings: int = 4096
+    """YaRN original context length (HF rope_scaling.original_max_position_embeddings)."""
+    beta_fast: float = 32.0
+    """YaRN beta_fast."""
+    beta_slow: float = 1.0
+    """YaRN beta_slow."""
+    mscale: float = 1.0
+    """YaRN mscale."""
+    mscale_all_dim: float = 0.0
+    """YaRN mscale_all_dim (also scales the attention softmax)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: expert groups (DeepSeek-V3 n_group); None = no grouping."""
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: groups each token may use (DeepSeek-V3 topk_group)."""
+    experimental_attention_variant: Literal["dsa"] | None = None
+    """"dsa": DeepSeek sparse attention on top of MLA (GLM-5, DeepSeek-V3.2)."""
+    dsa_indexer_n_heads: int | None = None
+    """DSA indexer heads (HF index_n_heads)."""
+    dsa_indexer_head_dim: int | None = None
+    """DSA indexer head dimension (HF index_head_dim)."""
+    dsa_indexer_topk: int | None = None
+    """Keys each query attends to under DSA (HF index_topk)."""
+    dsa_indexer_topk_freq: int = 1
+    """Every n-th layer runs its indexer, the others reuse its top-k (GLM-5 indexer_types)."""
+    dsa_indexer_skip_topk_offset: int = 0
+    """Layers before the shared-top-k schedule starts (GLM-5 indexer_types)."""
+    dsa_indexer_rope_interleaved: bool = False
+    """Indexer RoPE on interleaved pairs (GLM-5: true; DeepSeek-V3.2: false)."""
+    dsa_indexer_rotate_activation: bool = True
+    """Hadamard rotation of indexer q and k (leaves their dot products unchanged)."""
+    dsa_indexer_k_norm_epsilon: float | None = None
+    """Epsilon of the indexer's key LayerNorm (HF: 1e-6); None = layernorm_epsilon."""
+    mtp_num_layers: int | None = None
+    """Multi-token-prediction layers in the HF checkpoint (kept aside, frozen: not in the Megatron model)."""
 
 
 @cfg

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 from sao_megatron.config.schema import ExperimentConfig, ModelConfig, ParallelConfig, ResourcesConfig
 from sao_megatron.config.validate import check_model, check_parallel
+from sao_megatron.models import mla_sizes
 
 GIB = 2**30
 OVERHEAD_GIB = 5.0
@@ -67,8 +68,9 @@ def _head_dim(m: ModelConfig) -> int:
     return m.kv_channels or m.hidden_size // m.num_attention_heads
 
 
-def layer_params(m: ModelConfig, moe: bool, *, tp: int = 1, ep: int = 1, etp: int = 1) -> dict[str, int]:
-    """Parameters of one transformer layer held by one rank of a TP x EP x expert-TP layout.
+def layer_params(m: ModelConfig, moe: bool, *, tp: int = 1, ep: int = 1, etp: int = 1,
+                 layer: int = 0) -> dict[str, int]:
+    """Parameters of one transformer layer (global index ``layer``) held by one rank of a TP x EP x expert-TP layout.
 
     Matrices are split exactly (validated divisibility); norms and the router are replicated.
     """
@@ -78,6 +80,8 @@ def layer_params(m: ModelConfig, moe: bool, *, tp: int = 1, ep: int = 1, etp: in
     attention = qkv_rows * h + (qkv_rows if m.add_qkv_bias else 0) + (q // tp) * h
     if m.qk_layernorm:
         attention += 2 * _norm_size(m, d)
+    if m.multi_latent_attention:
+        attention = mla_sizes.attention_params(m, layer, tp)
     out = dict.fromkeys(GROUPS, 0)
     out["attention"] = attention
     out["norms"] = 2 * _norm_size(m, m.hidden_size)
@@ -175,10 +179,9 @@ def stage_params(m: ModelConfig, lay: Layout, stage: int, *, critic: bool,
                  divisible_by: int = VOCAB_DIVISIBLE_BY) -> dict[str, int]:
     """Parameters per group held by one rank of pipeline stage ``stage`` (PP splits layers evenly)."""
     moe_mask = moe_layer_mask(m)
-    mask = [moe_mask[i] for i in stage_layers(m, lay, stage)]
     out = dict.fromkeys(GROUPS, 0)
-    for moe in mask:
-        for k, v in layer_params(m, moe, tp=lay.tp, ep=lay.ep, etp=lay.etp).items():
+    for layer in stage_layers(m, lay, stage):
+        for k, v in layer_params(m, moe_mask[layer], tp=lay.tp, ep=lay.ep, etp=lay.etp, layer=layer).items():
             out[k] += v
     vocab_rows = padded_vocab_size(m.vocab_size, lay.tp, divisible_by) // lay.tp
     if stage == 0:
@@ -204,6 +207,8 @@ def activation_bytes_per_token(m: ModelConfig, moe: bool, lay: Layout, recompute
     qk_norm_inputs = 2 * (q + kv) if m.qk_layernorm else 0
     norm_outputs = 2 * 2 * h
     attn = 2 * h + qk_norm_inputs + 2 * (q + 2 * kv) + 2 * q + 4 * m.num_attention_heads
+    if m.multi_latent_attention:
+        attn = mla_sizes.attention_activation_bytes(m, lay.tp)
     if moe:
         f, k, s = m.moe_ffn_hidden_size, m.moe_router_topk, m.moe_shared_expert_intermediate_size or 0
         mlp = 2 * h + 8 * m.num_moe_experts + k * (4 * h * lay.etp + 6 * f) + 6 * s
@@ -331,8 +336,10 @@ def rollout_params_per_gpu(m: ModelConfig, tp: int) -> int:
     attn = (q + 2 * kv) * h + (q + 2 * kv if m.add_qkv_bias else 0) + q * h
     attn += 2 * _norm_size(m, d) if m.qk_layernorm else 0
     total = 0
-    for moe in moe_layer_mask(m):
+    for layer, moe in enumerate(moe_layer_mask(m)):
         total += attn + 2 * _norm_size(m, h)
+        if m.multi_latent_attention:
+            total += mla_sizes.attention_params(m, layer, tp) - attn
         if moe:
             total += m.num_moe_experts * h + m.num_moe_experts * 3 * h * m.moe_ffn_hidden_size // tp
             total += 3 * h * (m.moe_shared_expert_intermediate_size or 0) // tp
@@ -344,6 +351,8 @@ def rollout_params_per_gpu(m: ModelConfig, tp: int) -> int:
 
 def kv_bytes_per_token(m: ModelConfig, tp: int) -> int:
     """bf16 K and V of one token, all layers, on one GPU of a --tp-size ``tp`` server."""
+    if m.multi_latent_attention:
+        return mla_sizes.kv_bytes_per_token(m)
     return 2 * m.num_layers * max(1, m.num_query_groups // tp) * _head_dim(m) * 2
 
 

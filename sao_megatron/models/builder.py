@@ -116,7 +116,38 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *, us
         deallocate_pipeline_outputs=True,
     )
     kwargs |= recompute_fields(recompute, use_te=use_te, grouped_gemm=kwargs["moe_grouped_gemm"])
+    kwargs |= {name: getattr(model, name) for name in _GROUP_ROUTING_FIELDS}
+    if model.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig(**kwargs, **latent_attention_fields(model, use_te=use_te))
     return TransformerConfig(**kwargs)
+
+
+# Group-limited routing (DeepSeek-V3 n_group / topk_group); None (Megatron's default) = no groups.
+_GROUP_ROUTING_FIELDS = ("moe_router_num_groups", "moe_router_group_topk")
+_MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+               "v_head_dim", "rope_type", "rotary_base", "rotary_percent", "rotary_scaling_factor",
+               "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_DSA_FIELDS = ("experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
+               "dsa_indexer_topk_freq", "dsa_indexer_skip_topk_offset", "dsa_indexer_rope_interleaved",
+               "dsa_indexer_rotate_activation", "dsa_indexer_k_norm_epsilon")
+
+
+def latent_attention_fields(model: ModelConfig, *, use_te: bool) -> dict:
+    """MLATransformerConfig fields of an MLA (and DSA) model (DeepSeek-V3, GLM-5).
+
+    The local backend is named explicitly: megatron resolves MLA's q/kv norms through it.
+    The DSA indexer keeps its own KL loss off (``dsa_indexer_loss_coeff=None``): in RL the indexer
+    is frozen with the rest of attention, so trainer and engine select the same keys
+    (docs/mla-dsa.md).
+    """
+    fields = {name: getattr(model, name) for name in _MLA_FIELDS}
+    fields["transformer_impl"] = "transformer_engine" if use_te else "local"
+    if model.experimental_attention_variant == "dsa":
+        fields |= {name: getattr(model, name) for name in _DSA_FIELDS}
+        fields["dsa_indexer_loss_coeff"] = None
+    return fields
 
 
 def is_first_chunk(ctx: ParallelContext, vp_stage: int | None) -> bool:
@@ -166,6 +197,7 @@ def build_model_chunks(model: ModelConfig, ctx: ParallelContext, *, value_head: 
     chunks = [build_gpt_model(model, ctx, vp_stage=s, value_head=value_head, config=config, use_te=use_te)
               for s in stages]
     check_on_device(chunks, ctx.device)
+    freeze_dsa_indexer(chunks)
     return chunks
 
 
@@ -182,6 +214,22 @@ def check_on_device(chunks: list[torch.nn.Module], device: torch.device) -> None
                 raise RuntimeError(f"model tensor {name} was created on {t.device}, the run trains on {device}: "
                                    "a module outside Megatron's own layers ignores use_cpu_initialization "
                                    "(see models.specs.init_device)")
+
+
+def freeze_dsa_indexer(chunks: list[torch.nn.Module]) -> int:
+    """requires_grad=False on every DSA indexer parameter; returns how many.
+
+    The top-k is not differentiable and the indexer's own KL loss is off in RL, so the policy
+    and value losses give the indexer no gradient; left trainable, weight decay alone would move
+    it. Frozen, trainer and engines select the same keys for the same tokens (docs/mla-dsa.md).
+    """
+    frozen = 0
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".core_attention.indexer." in name:
+                param.requires_grad_(False)
+                frozen += 1
+    return frozen
 
 
 def count_parameters(chunks: list[torch.nn.Module]) -> dict[str, int]:

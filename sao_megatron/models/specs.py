@@ -105,10 +105,133 @@ def moe_layer_pattern(config: TransformerConfig) -> list[int]:
 def decoder_block_spec(config: TransformerConfig, *, use_te: bool, pp_rank: int,
                        vp_stage: int | None) -> TransformerBlockSubmodules:
     """Layer specs of the layers this (pp_rank, vp_stage) builds, plus the final norm."""
+    if getattr(config, "multi_latent_attention", False):
+        return latent_decoder_block_spec(config, use_te=use_te, pp_rank=pp_rank, vp_stage=vp_stage)
     if use_te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization=config.normalization,
                                           vp_stage=vp_stage, pp_rank=pp_rank)
     specs = {0: local_layer_spec(config, moe=False), 1: local_layer_spec(config, moe=True)}
+    layers = [specs[kind] for kind in moe_layer_pattern(config)]
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=layers[offset: offset + count], layer_norm=LocalNorm)
+
+
+# --------------------------------------------------------------------------- multi-head latent attention
+class LocalLinear(torch.nn.Linear):
+    """Unsharded linear layer with megatron's builder signature, returning ``(output, None)``.
+
+    The CPU stand-in for ``TELinear(parallel_mode="duplicated")``: the DSA indexer's projections are
+    replicated on every TP rank (megatron's local backend has no such module).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, init_method=None,
+                 bias: bool = False, **_unused):
+        super().__init__(input_size, output_size, bias=bias, dtype=config.params_dtype)
+        if init_method is not None:
+            with torch.no_grad():
+                init_method(self.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return super().forward(x), None
+
+
+class LocalMLACoreAttention(torch.nn.Module):
+    """Causal softmax attention whose q/k and v head sizes differ (megatron's local one assumes equal).
+
+    Built by MLASelfAttention like DotProductAttention; inputs [s, b, heads, dim], output
+    [s, b, heads * v_dim]. ``attention_mask`` (bool, True = masked) is combined with causality.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type=None, attention_type=None,
+                 softmax_scale: float | None = None, k_channels: int | None = None, **_unused):
+        super().__init__()
+        self.softmax_scale = softmax_scale if softmax_scale is not None else (k_channels or config.kv_channels) ** -0.5
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **_unused) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise ValueError("packed sequences need the Transformer Engine MLA attention (GPU)")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.softmax_scale
+        sq, sk = scores.shape[-2:]
+        masked = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1 + sk - sq)
+        if attention_mask is not None:
+            masked = masked | attention_mask.bool()
+        probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v)  # [b, heads, s, v_dim]
+        return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], -1)
+
+
+MLA_LATENT_NORM_EPS = 1e-6
+"""DeepSeek-V3 and GLM-5 build q_a_layernorm / kv_a_layernorm with the RMSNorm default eps (1e-6),
+whatever ``rms_norm_eps`` says (GLM-5: 1e-5); megatron would use layernorm_epsilon."""
+
+
+class LatentNorm:
+    """LocalNorm with MLA_LATENT_NORM_EPS: the q/kv latent norms of MLA."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        return LocalNorm(config=config, hidden_size=hidden_size, eps=MLA_LATENT_NORM_EPS)
+
+
+def local_mla_attention_spec(config: TransformerConfig) -> ModuleSpec:
+    """MLA self-attention from megatron-core modules (DSA: absorbed MLA + the sparse-attention core).
+
+    The q/kv down projections are ``ColumnParallelLinear`` (megatron gathers their output over TP),
+    so every tensor is either TP-sharded along dim 0 or replicated, as the converters expect.
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+
+    norm = LatentNorm if config.qk_layernorm else IdentityOp
+    linears = dict(linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+                   linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+                   linear_kv_up_proj=ColumnParallelLinear, linear_proj=RowParallelLinear,
+                   q_layernorm=norm if config.q_lora_rank else IdentityOp, kv_layernorm=norm)
+    if config.experimental_attention_variant != "dsa":
+        return ModuleSpec(module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                          submodules=MLASelfAttentionSubmodules(core_attention=LocalMLACoreAttention, **linears))
+    from megatron.core.transformer.experimental_attention_variant.absorbed_mla import (
+        AbsorbedMLASelfAttention, AbsorbedMLASelfAttentionSubmodules,
+    )
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexer, DSAIndexerSubmodules, DSAttention, DSAttentionSubmodules,
+    )
+
+    indexer = ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
+        linear_wq_b=LocalLinear, linear_wk=LocalLinear, k_norm=LocalNorm, linear_weights_proj=LocalLinear))
+    core = ModuleSpec(module=DSAttention, submodules=DSAttentionSubmodules(indexer=indexer))
+    return ModuleSpec(module=AbsorbedMLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                      submodules=AbsorbedMLASelfAttentionSubmodules(core_attention=core, **linears))
+
+
+def local_mla_layer_spec(config: TransformerConfig, *, moe: bool) -> ModuleSpec:
+    """One MLA (optionally DSA) transformer layer from megatron-core modules (CPU-capable)."""
+    mlp = get_mlp_module_spec_for_backend(backend=LocalSpecProvider(),
+                                          num_experts=config.num_moe_experts if moe else None, moe_grouped_gemm=False)
+    keys_map = {} if moe else {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=LocalNorm, self_attention=local_mla_attention_spec(config),
+        self_attn_bda=get_bias_dropout_add, pre_mlp_layernorm=LocalNorm, mlp=mlp, mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=keys_map))
+
+
+def latent_decoder_block_spec(config: TransformerConfig, *, use_te: bool, pp_rank: int,
+                              vp_stage: int | None) -> TransformerBlockSubmodules:
+    """Layer specs of an MLA model's layers on this (pp_rank, vp_stage), plus the final norm."""
+    if use_te and config.experimental_attention_variant == "dsa":
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec,
+        )
+
+        return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage=vp_stage,
+                                                                              pp_rank=pp_rank)
+    if use_te:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization=config.normalization,
+                                          vp_stage=vp_stage, pp_rank=pp_rank)
+    specs = {0: local_mla_layer_spec(config, moe=False), 1: local_mla_layer_spec(config, moe=True)}
     layers = [specs[kind] for kind in moe_layer_pattern(config)]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)

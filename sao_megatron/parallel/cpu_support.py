@@ -312,6 +312,37 @@ def _shim_dist_optimizer_step_state() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
+# --------------------------------------------------------------------------- DSA indexer
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform over the last dim (Sylvester order), any dtype.
+
+    x: [..., d] with d a power of two -> [..., d], equal to ``x @ H_d / sqrt(d)``, what
+    ``fast_hadamard_transform.hadamard_transform(x, scale=d ** -0.5)`` computes on GPUs.
+    """
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two last dimension, got {d} (dsa_indexer_head_dim)")
+    y, half = x.reshape(-1, d), 1
+    while half < d:  # butterflies: pairs (i, i + half) inside blocks of 2 * half
+        blocks = y.view(-1, d // (2 * half), 2, half)
+        y = torch.stack((blocks[:, :, 0] + blocks[:, :, 1], blocks[:, :, 0] - blocks[:, :, 1]), dim=2).view(-1, d)
+        half *= 2
+    return (y * d ** -0.5).view(x.shape).to(x.dtype)
+
+
+def _shim_dsa_hadamard() -> None:
+    """DSA indexer's ``rotate_activation`` in pure PyTorch (any dtype) instead of the CUDA-only kernel.
+
+    Without it: every DSA layer's forward fails in ``dsa.rotate_activation`` ("only support bf16
+    input", then "fast_hadamard_transform is not installed"). The rotation is orthonormal and applied
+    to both indexer q and k, so the scores q.k (and the top-k) are those of transformers' indexer,
+    which does not rotate. On GPUs the ``fast-hadamard-transform`` package is part of the image.
+    """
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    dsa.rotate_activation = hadamard_rotate
+
+
 SHIMS: dict[str, Callable[[], None]] = {
     "torch_cuda_stubs": _shim_torch_cuda_stubs,
     "device_mode": _shim_device_mode,
@@ -319,5 +350,6 @@ SHIMS: dict[str, Callable[[], None]] = {
     "alltoall_splits": _shim_alltoall_splits,
     "uneven_allgather": _shim_uneven_allgather,
     "dist_optimizer_step_state": _shim_dist_optimizer_step_state,
+    "dsa_hadamard": _shim_dsa_hadamard,
 }
 """Every shim by name, applied in this order."""

@@ -103,7 +103,7 @@ def _write(path: pathlib.Path, cfg: dict) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("model_type, arch, needle", [
-    ("deepseek_v3", "DeepseekV3ForCausalLM", "DeepSeek-V3"),
+    ("deepseek_v32", "DeepseekV32ForCausalLM", "DeepSeek-V3.2"),
     ("llama", "LlamaForCausalLM", "not supported yet"),
     ("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE"),
 ])

@@ -16,18 +16,19 @@ import pathlib
 from typing import Any
 
 from sao_megatron.config.schema import ModelConfig
-from sao_megatron.models.families import glm4_moe, qwen3_moe
+from sao_megatron.models.families import deepseek_v3, glm4_moe, glm_moe_dsa, qwen3_moe
 from sao_megatron.models.families.base import ConversionError, Family, WeightMap
 from sao_megatron.models.families.hf_config import read_hf_config
 
 __all__ = ["ConversionError", "FAMILIES", "Family", "WeightMap", "architecture_diff", "family_for_hf", "get_family",
            "hf_config_from_model", "model_config_from_hf"]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_moe.FAMILY, glm4_moe.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_moe.FAMILY, glm4_moe.FAMILY, deepseek_v3.FAMILY,
+                                                   glm_moe_dsa.FAMILY)}
 
 # Families we know of but do not convert yet (the reason is part of the error message).
 _NOT_YET = {
-    "deepseek_v3": "DeepSeek-V3 (MLA attention, yarn rope, MTP) is planned after Qwen3-MoE and GLM-MoE",
+    "deepseek_v32": "DeepSeek-V3.2 (non-interleaved indexer rope, no indexer_types) is not supported yet",
     "deepseek_v2": "DeepSeek-V2 (MLA attention) is not supported yet",
     "kimi_k2": "Kimi-K2 (DeepSeek-V3 architecture, MLA) is not supported yet",
     "qwen2_moe": "Qwen2-MoE (gated shared expert) is not supported yet",

@@ -37,6 +37,7 @@ VOCAB = "vocab"        # embedding / LM head: Megatron pads the vocab rows for T
 # Conditions a rule may require of a layer (``when``).
 DENSE, MOE, SHARED, EXPERT_BIAS, QKV_BIAS, QK_NORM, UNTIED = (
     "dense", "moe", "shared_expert", "expert_bias", "qkv_bias", "qk_norm", "untied")
+Q_LORA, Q_DIRECT, INDEXER = "q_lora", "q_direct", "indexer"  # MLA: compressed / direct queries; DSA layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,33 @@ def shape_symbols(cfg: ModelConfig) -> dict[str, int]:
         "Q": cfg.num_attention_heads * head_dim, "KV": cfg.num_query_groups * head_dim,
         "F": cfg.ffn_hidden_size, "FM": cfg.moe_ffn_hidden_size or 0,
         "FS": cfg.moe_shared_expert_intermediate_size or 0, "E": cfg.num_moe_experts or 0,
+        **mla_shape_symbols(cfg),
     }
+
+
+def mla_shape_symbols(cfg: ModelConfig) -> dict[str, int]:
+    """Symbols of multi-head latent attention and the DSA indexer (0 when unused)."""
+    if not cfg.multi_latent_attention:
+        return {}
+    nh, rope = cfg.num_attention_heads, cfg.qk_pos_emb_head_dim
+    return {
+        "QL": cfg.q_lora_rank or 0, "KVL": cfg.kv_lora_rank, "KVA": cfg.kv_lora_rank + rope,
+        "QH": nh * (cfg.qk_head_dim + rope), "KVB": nh * (cfg.qk_head_dim + cfg.v_head_dim),
+        "O": nh * cfg.v_head_dim, "ID": cfg.dsa_indexer_head_dim or 0,
+        "IN": cfg.dsa_indexer_n_heads or 0, "IQ": (cfg.dsa_indexer_n_heads or 0) * (cfg.dsa_indexer_head_dim or 0),
+    }
+
+
+def dsa_runs_indexer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether 0-based ``layer`` computes its own DSA top-k ("full") or reuses an earlier one ("shared").
+
+    HF (GLM-5 ``indexer_types``) and Megatron (``is_dsa_skip_topk_layer``) use the same schedule:
+    layer i is full iff max(i + 1 - max(offset, 1), 0) is a multiple of ``dsa_indexer_topk_freq``.
+    """
+    freq = cfg.dsa_indexer_topk_freq or 1
+    if freq <= 1:
+        return True
+    return max(layer + 1 - max(cfg.dsa_indexer_skip_topk_offset, 1), 0) % freq == 0
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -99,6 +126,10 @@ def layer_conditions(cfg: ModelConfig, layer: int | None) -> frozenset[str]:
         conds.add(QKV_BIAS)
     if cfg.qk_layernorm:
         conds.add(QK_NORM)
+    if cfg.multi_latent_attention:
+        conds.add(Q_LORA if cfg.q_lora_rank else Q_DIRECT)
+        if layer is not None and cfg.experimental_attention_variant == "dsa" and dsa_runs_indexer(cfg, layer):
+            conds.add(INDEXER)
     return frozenset(conds)
 
 

@@ -40,7 +40,10 @@ _GROUPED_PARAM = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d*)$")  #
 _GROUPED_SHARD_DIM = {"linear_fc1": 0, "linear_fc2": 1}
 # TE fuses norms into the following linear layer; canonical names use the local-spec modules.
 _TE_ALIASES = {".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
-               ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight"}
+               ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
+               # MLA (TE spec, no DSA): the q/kv latent norms are fused into the up projections.
+               ".self_attention.linear_q_up_proj.layer_norm_weight": ".self_attention.q_layernorm.weight",
+               ".self_attention.linear_kv_up_proj.layer_norm_weight": ".self_attention.kv_layernorm.weight"}
 
 
 @dataclass(slots=True)

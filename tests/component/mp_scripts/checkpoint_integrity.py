@@ -34,7 +34,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 def main(out_path: str, workdir: str) -> None:
     from sao_megatron.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
-    from sao_megatron.models import cpu_support
+    from sao_megatron.parallel import cpu_support
     from sao_megatron.models.builder import build_model_chunks
     from sao_megatron.training.checkpoint import (CheckpointSaves, load_checkpoint, publish_checkpoint,
                                                   save_checkpoint)
