@@ -31,7 +31,6 @@ import os
 import time
 
 import numpy as np
-import scipy.signal
 import torch
 
 from sao_megatron.algorithms.advantages import discounted_reverse_cumsum, gae
@@ -105,6 +104,8 @@ def timeit_interleaved(fns, reps: int) -> list[float]:
 
 
 def lfilter_scan(x: torch.Tensor, discount: float) -> torch.Tensor:
+    import scipy.signal  # only this CPU comparison needs scipy (GPU images need not ship it)
+
     reversed_rows = x.numpy()[:, ::-1]
     out = scipy.signal.lfilter([1.0], [1.0, -discount], reversed_rows, axis=1)
     return torch.from_numpy(np.ascontiguousarray(out[:, ::-1]))
