@@ -18,7 +18,6 @@ import json
 import os
 import pathlib
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable

@@ -22,6 +22,8 @@ import xml.etree.ElementTree as ET
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "experiments" / "tiny_cpu.yaml"
 BIG = REPO / "configs" / "experiments" / "gpu_check_100m.yaml"
+GPU_DEVICE = "cuda"
+"""The device the GPU-mode benchmarks run on (a plumbing run on a CPU box may set "cpu")."""
 SAO_STEPS = 30
 REWARD_GAIN = 0.2
 """The CPU main job's criterion: mean reward over the last 20 % of steps >= first 10 % + 0.2."""
@@ -173,7 +175,7 @@ def check_gpu_tests(ctx: Context) -> list[Line]:
     # The gloo layouts have their own check (gloo-tp2-ep2): not run twice.
     cmd = [*python(), "-m", "pytest", "tests/gpu", "tests/component/test_megatron_gpu.py", "-m", "gpu",
            "--ignore=tests/gpu/test_gloo_cuda_layouts.py",
-           "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "-o", "junit_family=xunit1"]
+           "-q", "-s", "-p", "no:cacheprovider", f"--junitxml={xml}", "-o", "junit_family=xunit1"]
     proc = ctx.run("gpu-tests", cmd)
     if not xml.is_file():
         return [Line("FAIL", "gpu-tests", f"pytest rc={proc.returncode}, no report: {tail(proc.stdout)}")]
@@ -194,7 +196,7 @@ def check_gpu_tests(ctx: Context) -> list[Line]:
 
 
 def _test_numbers(ctx: Context, test: str) -> str:
-    """Numbers a gpu test recorded for the report (tests/gpu write GPU_CHECK_NUMBERS lines)."""
+    """Numbers a gpu test printed for the report (``GPU_CHECK_NUMBERS <test name>: ...``, pytest -s)."""
     found = re.findall(rf"GPU_CHECK_NUMBERS {re.escape(test)}: (.*)", (ctx.out / "logs" / "gpu-tests.log").read_text())
     return found[-1] if found else ""
 
@@ -354,7 +356,7 @@ def check_bench_gae(ctx: Context) -> list[Line]:
     if not ctx.gpu:
         return [Line("SKIP", "bench-gae", "needs CUDA; CPU numbers: " + ", ".join(
             f"T={r['length']} {r['impl']} {r['gae_ms']:.2f} ms ({r['gae_ms'] / r['copy_ms']:.1f}x copy)" for r in cpu["rows"]))]
-    gpu = _bench(ctx, "bench-gae", "benchmarks/advantages.py", "cuda", *args)
+    gpu = _bench(ctx, "bench-gae", "benchmarks/advantages.py", GPU_DEVICE, *args)
     lines = []
     for c, g in zip(cpu["rows"], gpu["rows"]):
         ok = g["max_diff_vs_cpu"] is not None and g["max_diff_vs_cpu"] < 1e-3
@@ -372,7 +374,7 @@ def check_bench_logprobs(ctx: Context) -> list[Line]:
     if not ctx.gpu:
         return [Line("SKIP", "bench-logprobs", f"needs CUDA; CPU chunked fwd+bwd {c['fwd_bwd_ms']:.1f} ms, "
                      f"peak extra {c['peak_extra_mib']:.1f} MiB at {cpu['shape']} {cpu['dtype']}")]
-    gpu = _bench(ctx, "bench-logprobs", "benchmarks/logprobs.py", "cuda", *args)
+    gpu = _bench(ctx, "bench-logprobs", "benchmarks/logprobs.py", GPU_DEVICE, *args)
     g, go = gpu["rows"]["chunked"], gpu["rows"]["old"]
     return [Line("PASS" if gpu["agree"] else "FAIL", "bench logprobs",
                  f"{gpu['shape']} {gpu['dtype']}: cuda chunked fwd+bwd {g['fwd_bwd_ms']:.2f} ms vs cpu "

@@ -18,12 +18,13 @@ from sao_megatron.models.actor import token_logprobs
 pytestmark = pytest.mark.gpu
 
 
-def numbers(test: str, text: str) -> None:
-    print(f"\nGPU_CHECK_NUMBERS {test}: {text}")
+def numbers(request, text: str) -> None:
+    """Shown on the test's line by scripts/gpu_check.sh (it runs pytest with -s)."""
+    print(f"\nGPU_CHECK_NUMBERS {request.node.name}: {text}")
 
 
 @pytest.mark.parametrize("skip_observations", [True, False])
-def test_gae_scan_on_cuda_matches_reference_loop(skip_observations):
+def test_gae_scan_on_cuda_matches_reference_loop(request, skip_observations):
     rng = random.Random(0)
     mask = ref.multi_turn_mask(rng, 12, 300)
     g = torch.Generator().manual_seed(1)
@@ -34,12 +35,11 @@ def test_gae_scan_on_cuda_matches_reference_loop(skip_observations):
                    skip_observations=skip_observations)
     assert adv.is_cuda and ret.is_cuda
     err = max(float((adv.cpu().double() - want_adv).abs().max()), float((ret.cpu().double() - want_ret).abs().max()))
-    numbers(f"test_gae_scan_on_cuda_matches_reference_loop[{skip_observations}]",
-            f"[12, 300] fp32 cuda vs float64 loop: max |diff| {err:.1e} (tol 1e-4)")
+    numbers(request, f"[12, 300] fp32 cuda vs float64 loop: max |diff| {err:.1e} (tol 1e-4)")
     assert err < 1e-4
 
 
-def test_gae_on_cuda_matches_cpu_at_32k():
+def test_gae_on_cuda_matches_cpu_at_32k(request):
     """At production length the CUDA scan equals the CPU implementation (kernel or scan) in float64."""
     rng = random.Random(2)
     mask = ref.multi_turn_mask(rng, 8, 32768, min_run=16, max_run=512)
@@ -49,7 +49,7 @@ def test_gae_on_cuda_matches_cpu_at_32k():
     cpu = gae(rewards, values, mask, gamma=1.0, lam=0.95)
     cuda = gae(rewards.cuda(), values.cuda(), mask.cuda(), gamma=1.0, lam=0.95)
     err = max(float((a.cpu() - b).abs().max()) for a, b in zip(cuda, cpu))
-    numbers("test_gae_on_cuda_matches_cpu_at_32k", f"[8, 32768] fp64 cuda vs cpu: max |diff| {err:.1e} (tol 1e-8)")
+    numbers(request, f"[8, 32768] fp64 cuda vs cpu: max |diff| {err:.1e} (tol 1e-8)")
     assert err < 1e-8
 
 
@@ -61,8 +61,8 @@ def _reference(logits, tokens, vocab, temperature):
     return torch.cat([zero, lp], 1), torch.cat([zero, ent], 1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_logprobs_on_cuda_match_float64_reference(dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunked_logprobs_on_cuda_match_float64_reference(request, dtype):
     """Forward (log-probs, entropy) and backward of the chunked Function on CUDA, several chunks per row block."""
     g = torch.Generator(device="cuda").manual_seed(0)
     b, s, v_padded, vocab, temperature = 3, 65, 1280, 1200, 0.7
@@ -81,8 +81,7 @@ def test_chunked_logprobs_on_cuda_match_float64_reference(dtype):
             float((grad.double() - want_grad).abs().max())]
     # fp32 math inside either way (the Function upcasts per chunk); bf16 only rounds the gradient it returns.
     tol_grad = 1e-5 if dtype == torch.float32 else 2e-2 * float(want_grad.abs().max())
-    numbers(f"test_chunked_logprobs_on_cuda_match_float64_reference[{dtype}]",
-            f"{str(dtype).split('.')[-1]} [3, 65, 1280] chunks of 4096: max |Δlogp| {errs[0]:.1e}, "
+    numbers(request, f"{str(dtype).split('.')[-1]} [3, 65, 1280] chunks of 4096: max |Δlogp| {errs[0]:.1e}, "
             f"|Δentropy| {errs[1]:.1e}, |Δgrad| {errs[2]:.1e} (tol 1e-4, 1e-4, {tol_grad:.0e})")
     assert lp.is_cuda and lp.dtype == torch.float32
     assert errs[0] < 1e-4 and errs[1] < 1e-4 and errs[2] < tol_grad

@@ -88,7 +88,7 @@ def forward_part(name: str, workdir: str, mbs, ref: dict) -> dict:
             "backend": dist.get_backend(), "logprob_maxdiff": lp_diff, "actor_losses": losses,
             "detail": (f"{ctx.world_size} ranks on {','.join(sorted(on))} over {dist.get_backend()}: max |Δlogp| "
                        f"{lp_diff:.1e}, |Δentropy| {ent_diff:.1e} vs TP1 (tol {LOGPROB_TOL:g}); actor losses "
-                       + " ".join(f"{x:.5f}" for x in losses) + f" vs TP1 " + " ".join(
+                       + " ".join(f"{x:.5f}" for x in losses) + " vs TP1 " + " ".join(
                            f"{x:.5f}" for x in ref["actor_losses"]) + f" (rel tol {LOSS_REL_TOL:g})")}
 
 
@@ -103,7 +103,7 @@ def critic_part(name: str, workdir: str, mbs, ref: dict) -> dict:
     ok = (all(math.isclose(a, b, rel_tol=LOSS_REL_TOL) for a, b in zip(losses, ref["critic_losses"]))
           and not results["frozen_changed"][name] and not results["trainable_unchanged"][name])
     return {"layout": f"{name} critic", "status": "PASS" if ok else "FAIL", "critic_losses": losses,
-            "detail": (f"distributed optimizer, frozen attention: value losses " + " ".join(
+            "detail": ("distributed optimizer, frozen attention: value losses " + " ".join(
                 f"{x:.5f}" for x in losses) + " vs TP1 " + " ".join(f"{x:.5f}" for x in ref["critic_losses"])
                 + f"; frozen params changed {len(results['frozen_changed'][name])}, trainable unchanged "
                 f"{len(results['trainable_unchanged'][name])}")}
