@@ -154,7 +154,7 @@ def test_gpu_check_cpu_mode_end_to_end(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu", "--python", sys.executable,
                            "--target", str(tmp_path / "site"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=1700, cwd=REPO)
+                          capture_output=True, text=True, timeout=3700, cwd=REPO)
     summary = json.loads((out / "gpu_check_summary.json").read_text())
     status = {ln["name"]: ln for ln in summary["lines"]}
     printed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL", "SKIP"))]
