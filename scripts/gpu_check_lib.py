@@ -381,8 +381,8 @@ def check_bench_logprobs(ctx: Context) -> list[Line]:
     gpu = _bench(ctx, "bench-logprobs", "benchmarks/logprobs.py", GPU_DEVICE, *args)
     g, go = gpu["rows"]["chunked"], gpu["rows"]["old"]
     return [Line("PASS" if gpu["agree"] else "FAIL", "bench logprobs",
-                 f"{gpu['shape']} {gpu['dtype']}: cuda chunked fwd+bwd {g['fwd_bwd_ms']:.2f} ms vs cpu "
-                 f"{c['fwd_bwd_ms']:.1f} ms ({c['fwd_bwd_ms'] / g['fwd_bwd_ms']:.0f}x); cuda peak extra "
+                 f"{gpu['shape']} {gpu['dtype']}: {gpu['device']} chunked fwd+bwd {g['fwd_bwd_ms']:.2f} ms vs cpu "
+                 f"{c['fwd_bwd_ms']:.1f} ms ({c['fwd_bwd_ms'] / g['fwd_bwd_ms']:.0f}x); {gpu['device']} peak extra "
                  f"{g['peak_extra_mib']:.0f} MiB vs {go['peak_extra_mib']:.0f} MiB unchunked; agrees with the "
                  f"unchunked version: {gpu['agree']}")]
 

@@ -149,6 +149,7 @@ def test_trainer_path_imports_and_gae_runs_without_numba():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3800)  # the script bounds itself (--budget-s); on a shared 2-core box it takes 10-20 min
 def test_gpu_check_cpu_mode_end_to_end(tmp_path):
     """``gpu_check.sh --cpu``: the real SAO run, parity gate and benchmarks on CPU; GPU-only checks SKIP."""
     out = tmp_path / "out"
