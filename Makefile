@@ -5,7 +5,7 @@ SHELL := /bin/bash
 RUN_DIR ?= runs/tiny_cpu
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-all test-slurm
+.PHONY: setup run test test-all test-slurm gpu-check
 
 setup:
 	@bash scripts/setup.sh >/dev/null
@@ -23,3 +23,8 @@ test:
 test-all:
 	@venv=$$(bash scripts/setup.sh | tail -n1) && \
 	  "$$venv/bin/python" -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+# GPU acceptance check on one GPU of a node without network (README "On a GPU node"). Uses the
+# node's CUDA python, not the CPU venv: WHEELS=DIR from scripts/gpu_wheels.sh, GPU_CHECK_ARGS=--cpu etc.
+gpu-check:
+	@bash scripts/gpu_check.sh $(if $(WHEELS),--wheels $(WHEELS)) $(GPU_CHECK_ARGS)

@@ -1,6 +1,7 @@
 """Skip-observation GAE: the vectorised implementation vs a per-timestep loop vs a plain copy.
 
     python benchmarks/advantages.py [--batch 128] [--lengths 4096 32768] [--reps 10] [--threads N]
+    python benchmarks/advantages.py --device cuda [--json OUT.json] [--no-loop]
 
 Prints, side by side in one run, for multi-turn masks at each T:
   - ``gae``: ``sao_megatron.algorithms.advantages.gae`` (skip_observations=True) as callers get it:
@@ -14,16 +15,22 @@ Prints, side by side in one run, for multi-turn masks at each T:
     the memory-bound floor (the faster of back-to-back and interleaved timings);
 and the ratios loop/gae (target >= 100x at T=32k) and gae/copy, gae:out/copy (target <= 5x).
 A second table times the scan kernels alone on a [B, T] float32 tensor (why the blocked scan is used).
+
+``--device cuda`` (or any other torch device) times ``gae`` as callers get it there (``impl="auto"``:
+the scan off the CPU; on CPU the kernel, or the scan where numba is absent) against a device copy
+of the same bytes, checks it against the CPU scan's result, and with ``--json`` writes those rows
+(scripts/gpu_check.sh compares a GPU run with a CPU run of this mode). ``--no-loop`` leaves out
+the per-timestep loop (seconds per call at T=32k).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
 import numpy as np
-import scipy.signal
 import torch
 
 from sao_megatron.algorithms.advantages import discounted_reverse_cumsum, gae
@@ -97,6 +104,8 @@ def timeit_interleaved(fns, reps: int) -> list[float]:
 
 
 def lfilter_scan(x: torch.Tensor, discount: float) -> torch.Tensor:
+    import scipy.signal  # only this CPU comparison needs scipy (GPU images need not ship it)
+
     reversed_rows = x.numpy()[:, ::-1]
     out = scipy.signal.lfilter([1.0], [1.0, -discount], reversed_rows, axis=1)
     return torch.from_numpy(np.ascontiguousarray(out[:, ::-1]))
@@ -134,6 +143,44 @@ def gae_table(batch: int, lengths: list[int], reps: int) -> None:
               f"{out_ms / copy_ms:>8.1f}x {scan_ms / copy_ms:>9.1f}x {diff:>10.2e}")
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_rows(batch: int, lengths: list[int], reps: int, device: torch.device, *, loop: bool) -> list[dict]:
+    """``gae`` (impl auto) on ``device`` vs a device copy of its inputs; max |difference| vs the CPU result."""
+    from sao_megatron.algorithms.advantages import gae_impl_for
+
+    rows = []
+    for length in lengths:
+        cpu = multi_turn_batch(batch, length)
+        rewards, values, mask = (x.to(device) for x in cpu)
+        buffers = [torch.empty_like(x) for x in (rewards, values, mask)]
+
+        def run_gae():
+            out = gae(rewards, values, mask, gamma=GAMMA, lam=LAM)
+            _sync(device)
+            return out
+
+        def run_copy():
+            [b.copy_(x) for b, x in zip(buffers, (rewards, values, mask))]
+            _sync(device)
+
+        gae_ms, copy_ms = timeit_interleaved([run_gae, run_copy], reps)
+        ref = gae(*cpu, gamma=GAMMA, lam=LAM, impl="scan")  # the CPU scan: the same maths everywhere
+        diff = max(float((a.cpu() - b).abs().max()) for a, b in zip(run_gae(), ref))
+        row = {"length": length, "device": str(device), "impl": gae_impl_for(rewards), "gae_ms": gae_ms,
+               "copy_ms": copy_ms, "max_diff_vs_cpu": diff}
+        if loop:
+            row["loop_ms"] = timeit(lambda: (loop_gae(rewards, values, mask, GAMMA, LAM), _sync(device)), 1, warmup=0)
+        rows.append(row)
+        print(f"T={length:>6} on {device}: gae ({row['impl']}) {gae_ms:.2f} ms, copy {copy_ms:.2f} ms "
+              f"({gae_ms / copy_ms:.1f}x), max |{device} - cpu scan| {diff:.1e}"
+              + (f", loop {row['loop_ms']:.0f} ms" if loop else ""))
+    return rows
+
+
 def scan_table(batch: int, length: int, reps: int) -> None:
     x = torch.randn(batch, length)
     discount = GAMMA * LAM
@@ -161,9 +208,18 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--device", default=None, help="time gae on this device only (e.g. cuda); see above")
+    parser.add_argument("--json", default=None, help="with --device: write the rows to this file")
+    parser.add_argument("--no-loop", action="store_true", help="with --device: skip the per-timestep loop")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device:
+        rows = device_rows(args.batch, args.lengths, args.reps, torch.device(args.device), loop=not args.no_loop)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"batch": args.batch, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+        return
     gae_table(args.batch, args.lengths, args.reps)
     scan_table(args.batch, max(args.lengths), args.reps)
 

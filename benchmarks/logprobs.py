@@ -15,6 +15,7 @@ log-probs and entropy (what the actor loss does). Reported per implementation:
     python benchmarks/logprobs.py                         # [1, 2048, 32768] bf16, seconds on 2 cores
     python benchmarks/logprobs.py --shape 1 4096 151936   # Qwen3 vocabulary at TP=1 (needs ~15 GB)
     python benchmarks/logprobs.py --device cuda --shape 1 4096 151936
+    python benchmarks/logprobs.py --device cuda --json OUT.json   # the numbers as JSON too (gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def main() -> None:
     parser.add_argument("--chunk-elements", type=int, default=DEFAULT_CHUNK_ELEMENTS)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write the numbers to this file")
     args = parser.parse_args()
 
     b, s, v = args.shape
@@ -143,24 +145,36 @@ def main() -> None:
         "chunked": lambda x, t: token_logprobs(x, t, tp_group=None, vocab_size=v - args.pad,
                                                temperature=args.temperature, chunk_elements=args.chunk_elements),
     }
-    _check_agree(impls, logits, tokens, weights)
+    agree = _check_agree(impls, logits, tokens, weights)
     rows = {}
     for name, fn in impls.items():
         rows[name] = (saved_bytes(fn, logits, tokens, weights), peak_extra_bytes(fn, logits, tokens, weights),
                       wall_ms(fn, logits, tokens, weights, reps=args.reps, backward=True),
                       wall_ms(fn, logits, tokens, weights, reps=args.reps, backward=False))
     _report(args, logits, rows)
+    if args.json:
+        names = ("saved_mib", "peak_extra_mib", "fwd_bwd_ms", "fwd_ms")
+        scale = (2.0**-20, 2.0**-20, 1.0, 1.0)
+        with open(args.json, "w") as f:
+            json.dump({"shape": list(logits.shape), "dtype": args.dtype, "device": args.device, "agree": agree,
+                       "rows": {impl: {k: v * c for k, v, c in zip(names, row, scale)} for impl, row in rows.items()}},
+                      f, indent=1)
 
 
-def _check_agree(impls, logits, tokens, weights) -> None:
-    """Both implementations must give the same numbers before their costs are compared."""
+def _check_agree(impls, logits, tokens, weights) -> bool:
+    """Both implementations must give the same numbers before their costs are compared (printed if not)."""
     outs = []
     for fn in impls.values():
         lp, ent = fn(logits, tokens)
         (grad,) = torch.autograd.grad((weights[0] * lp).sum() + (weights[1] * ent).sum(), logits)
         outs.append((lp.detach(), ent.detach(), grad.float()))
-    for a, b in zip(outs[0], outs[1]):
-        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-4)
+    try:
+        for a, b in zip(outs[0], outs[1]):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-4)
+    except AssertionError as exc:
+        print(f"the implementations disagree: {exc}")
+        return False
+    return True
 
 
 def _report(args, logits, rows) -> None:

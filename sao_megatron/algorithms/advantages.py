@@ -16,19 +16,23 @@ Two implementations of one recursion (``gae(impl=...)``): on CPU tensors a fused
 kernel (``gae_cpu``: one read of each input, one write of each output); elsewhere the vectorised
 compaction + blocked scan below (no loop over time, thousands of rows in parallel on a GPU). Both
 run every GAE test; ``benchmarks/advantages.py`` times them against a per-timestep loop and a copy.
+numba is optional: where it cannot be imported (GPU images need not ship it) CPU tensors take the scan.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
 
 __all__ = [
     "GAE_IMPLS", "RunningMeanBaseline", "broadcast_outcome_advantages", "discounted_reverse_cumsum", "gae",
-    "grpo_advantages", "running_mean_baseline",
+    "gae_impl_for", "grpo_advantages", "running_mean_baseline",
 ]
+
+logger = logging.getLogger(__name__)
 
 # Chunk length of the blocked scan. Measured on the 2-core CPU box (benchmarks/advantages.py scan
 # table, [128, 32768] fp32, discount 0.94, best of 10, load average ~1): chunk 8: 3.8-4.6 ms,
@@ -170,6 +174,22 @@ def _gae_block(rewards, values, maskf, gamma: float, lam: float, skip_observatio
     torch.add(out[0], masked_values, out=out[1])
 
 
+@functools.cache
+def _cpu_kernel():
+    """The numba kernel module, or None when numba cannot be imported (then CPU tensors use the scan)."""
+    try:
+        from sao_megatron.algorithms import gae_cpu  # numba: imported on first CPU use, not with the package
+    except ImportError as exc:
+        logger.warning("GAE on CPU tensors uses the vectorised scan: the numba kernel is unavailable (%s)", exc)
+        return None
+    return gae_cpu
+
+
+def gae_impl_for(rewards: torch.Tensor) -> str:
+    """What ``gae(impl="auto")`` runs for tensors on this device: ``"kernel"`` or ``"scan"``."""
+    return "kernel" if rewards.device.type == "cpu" and _cpu_kernel() is not None else "scan"
+
+
 @torch.no_grad()
 def gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, *, gamma: float, lam: float,
         skip_observations: bool = True, impl: str = "auto",
@@ -190,8 +210,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, 
 
     ``impl``: ``"kernel"`` is the fused single-pass numba kernel (CPU tensors only, ``gae_cpu``);
     ``"scan"`` the vectorised compaction + blocked scan in PyTorch (any device); ``"auto"`` picks
-    the kernel on CPU and the scan elsewhere. Both compute the same recursion (tested against the
-    same references); benchmarks/advantages.py times them side by side.
+    the kernel on CPU (the scan where numba cannot be imported) and the scan elsewhere. Both compute
+    the same recursion (tested against the same references); benchmarks/advantages.py times them.
     """
     _check_gae_inputs(rewards, values, action_mask, gamma, lam)
     if impl not in GAE_IMPLS:
@@ -203,9 +223,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, 
     mask = action_mask if action_mask.dtype == torch.bool else action_mask != 0
     if out is not None:
         _check_out(out, rewards, dtype)
-    if impl == "kernel" or (impl == "auto" and on_cpu):
-        from sao_megatron.algorithms import gae_cpu  # numba: imported on first CPU use, not with the package
-        return gae_cpu.gae_rows(
+    if impl == "kernel" and _cpu_kernel() is None:
+        raise ValueError("gae impl='kernel' needs numba, which cannot be imported here; use impl='auto' or 'scan'")
+    if impl == "kernel" or (impl == "auto" and gae_impl_for(rewards) == "kernel"):
+        return _cpu_kernel().gae_rows(
             rewards.detach().to(dtype).contiguous(), values.detach().to(dtype).contiguous(), mask.contiguous(),
             gamma=float(gamma), lam=float(lam), skip_observations=skip_observations,
             num_threads=torch.get_num_threads(), out=out)
