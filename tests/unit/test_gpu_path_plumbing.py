@@ -237,9 +237,11 @@ def test_config_validation_never_probes_cuda_and_layouts_say_where_they_run(monk
 
     monkeypatch.setattr(torch.cuda, "is_available", boom)
     root = pathlib.Path(__file__).resolve().parents[2] / "configs" / "experiments"
-    assert load_config(root / "tiny_cpu.yaml").resources.device == "cpu"
-    gpu = sorted(p for p in root.glob("*.yaml") if p.name != "tiny_cpu.yaml")
-    assert gpu and all(load_config(p).resources.device == "cuda" for p in gpu)
+    cpu = sorted(root.glob("*cpu*.yaml"))
+    gpu = sorted(set(root.glob("*.yaml")) - set(cpu))
+    assert root / "tiny_cpu.yaml" in cpu and gpu
+    assert {p.name: load_config(p).resources.device for p in cpu} == {p.name: "cpu" for p in cpu}
+    assert {p.name: load_config(p).resources.device for p in gpu} == {p.name: "cuda" for p in gpu}
 
 
 # ---------------------------------------------------------------- 5. health: busy is not dead
