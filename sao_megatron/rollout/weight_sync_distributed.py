@@ -115,11 +115,14 @@ class _World:
         return box
 
 
-def _default_address() -> str:
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+def address_towards(host: str) -> str:
+    """This host's address on the route to ``host`` (the engines): where they can dial our group's
+    TCP store. A hostname that resolves to loopback (Debian's 127.0.1.1) or to another interface than
+    the one that reaches the engines is the classic multi-node failure; routing cannot be wrong. A UDP
+    connect sends nothing, it only asks the kernel for the route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))
+        return s.getsockname()[0]
 
 
 class DistributedWeightSync:
@@ -170,9 +173,8 @@ class DistributedWeightSync:
         senders = [r for r, s in enumerate(self.world.gather(bool(is_sender))) if s]
         self.is_sender, self.sender_index = is_sender, senders.index(self.world.rank) if is_sender else 0
         self.links = [EngineLink(i, url, tp) for i, (url, tp) in enumerate(layout)]
-        if self.master_address is None:  # loopback engines reach loopback senders; others our host's address
-            loopback = all(httpx.URL(u).host in ("127.0.0.1", "localhost") for u, _ in layout)
-            self.master_address = "127.0.0.1" if loopback else _default_address()
+        if self.master_address is None:  # each sender hosts its groups' store where the engines can dial it
+            self.master_address = address_towards(httpx.URL(layout[0][0]).host) if layout else "127.0.0.1"
         if is_sender:
             for link in self.links:
                 self._join(link)

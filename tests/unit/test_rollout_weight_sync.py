@@ -116,3 +116,20 @@ def test_flattened_bucket_layout_is_sglangs():
     assert torch.equal(got[0], a) and torch.equal(got[1], b)
     with pytest.raises(ValueError, match="unaligned"):
         unflatten_bucket(torch.zeros(10, dtype=torch.uint8), [torch.bfloat16, torch.float32], [[1], [2]])
+
+
+def test_group_store_address_is_on_the_route_to_the_engines():
+    """Each sender hosts its update group's store where the engines can dial it: loopback engines get
+    loopback, engines reached over an interface get that interface's address (not whatever the
+    hostname resolves to)."""
+    import socket
+    import subprocess
+
+    from sao_megatron.rollout.weight_sync_distributed import address_towards
+
+    assert address_towards("127.0.0.1") == "127.0.0.1"
+    own = [a for a in subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+           if "." in a and not a.startswith("127.")]
+    for addr in own:  # an address of this host is reached from itself, not via loopback's 127.0.0.1
+        assert address_towards(addr) == addr
+    assert address_towards(socket.gethostname()) != ""
