@@ -39,7 +39,7 @@ def main(out_path: str, workdir: str) -> None:
     from sao_megatron.training.checkpoint import (CheckpointSaves, load_checkpoint, publish_checkpoint,
                                                   save_checkpoint)
     from sao_megatron.parallel.bootstrap import destroy, init_distributed
-    from sao_megatron.training.optim import setup_optimizer, train_step
+    from sao_megatron.training.optim import setup_optimizer, optimizer_step
 
     tiny = ModelConfig(**TINY)
     cpu_support.apply_cpu_shims()
@@ -47,7 +47,7 @@ def main(out_path: str, workdir: str) -> None:
     chunks = build_model_chunks(tiny, ctx)
     ddp, opt, sched = setup_optimizer(chunks, OptimizerConfig(lr=1e-2), ctx, total_steps=4)
     tokens = torch.randint(0, tiny.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    train_step(ddp, opt, sched, [{"tokens": tokens}], lambda logits, mb: (logits.float().logsumexp(-1).mean(), {}),
+    optimizer_step(ddp, opt, sched, [{"tokens": tokens}], _lse_loss,
                ctx=ctx)  # Adam state exists
     out: dict = {}
 
@@ -83,6 +83,12 @@ def main(out_path: str, workdir: str) -> None:
     with open(out_path, "w") as f:
         json.dump(out, f, indent=1)
     destroy()
+
+
+def _lse_loss(logits, mb):
+    """A loss that touches every parameter (so Adam state exists); the one step reports it."""
+    loss = logits.float().logsumexp(-1).mean()
+    return loss, {"loss": loss.detach()}
 
 
 if __name__ == "__main__":  # dist checkpoint saving starts a multiprocessing manager

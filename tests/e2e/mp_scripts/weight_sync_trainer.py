@@ -21,6 +21,7 @@ def main() -> None:
     config, out = sys.argv[1:3]
     overrides = [sys.argv[3:][i + 1] for i, a in enumerate(sys.argv[3:]) if a == "--set"]
     from sao_megatron.config import load_config
+    from sao_megatron.training.components import initial_weights
     from sao_megatron.training.parity import measure_parity
     from sao_megatron.training.trainer import Trainer
 
@@ -29,15 +30,15 @@ def main() -> None:
                                *overrides])
     trainer = Trainer(cfg, pathlib.Path(out).parent / f"run_{pathlib.Path(out).stem}", resume="never")
     try:
-        trainer._initial_weights()
+        initial_weights(trainer.c, cfg)
         trainer._start_rollout(None)
         if trainer._update(fixed_samples(cfg.model.vocab_size)).pop("_applied"):
             trainer.version += 1
         first = trainer._sync_weights()
         second = trainer._sync_weights()  # same layout: not verified again
         urls = trainer.rollout.client.engine_urls if trainer.rank0 else [None, None]
-        gates = [measure_parity(trainer, num_prompts=4, max_new_tokens=4, temperature=1.0, engine_urls=[u])
-                 for u in urls]
+        gates = [measure_parity(trainer.c, cfg.model, trainer.run_dir, num_prompts=4, max_new_tokens=4,
+                                temperature=1.0, seed=cfg.run.seed, engine_urls=[u]) for u in urls]
         if dist.get_rank() == 0:
             versions = [httpx.get(u + "/model_info", trust_env=False).json()["weight_version"] for u in urls]
             pathlib.Path(out).write_text(json.dumps({

@@ -33,7 +33,7 @@ from sao_megatron.models.builder import build_model_chunks  # noqa: E402
 from sao_megatron.models.critic import freeze_for_critic, init_critic_from_actor  # noqa: E402
 from sao_megatron.training.distributed import destroy, init_distributed  # noqa: E402
 from sao_megatron.training.forward import compute_logprobs, compute_values, forward_backward  # noqa: E402
-from sao_megatron.training.optim import setup_optimizer, train_step, zero_grads  # noqa: E402
+from sao_megatron.training.optim import setup_optimizer, optimizer_step, zero_grads  # noqa: E402
 
 BF16 = dataclasses.replace(ml.MODEL, params_dtype="bf16")
 STEPS = 5
@@ -95,7 +95,7 @@ def actor_part(ctx, mbs, out: dict):
     out["actor_optimizer"] = type(opt).__name__ if not hasattr(opt, "chained_optimizers") else \
         [type(o).__name__ for o in opt.chained_optimizers]
     loss_fn = actor_loss_fn(mbs, ctx)
-    out["actor_losses"] = [float(sum(m["loss"] for m in train_step(ddp, opt, sched, mbs, loss_fn, ctx=ctx).metrics))
+    out["actor_losses"] = [float(sum(m["loss"] for m in optimizer_step(ddp, opt, sched, mbs, loss_fn, ctx=ctx).outputs))
                            for _ in range(STEPS)]
     return bf16
 
@@ -112,7 +112,7 @@ def critic_losses(actor, mbs, ctx, *, distributed: bool, out: dict, key: str) ->
     params = [(n, p) for c in critic for n, p in c.named_parameters()]
     before = {n: p.detach().clone() for n, p in params}
     loss_fn = ml.value_loss_fn(mbs, ctx)
-    out[f"{key}_losses"] = [float(sum(m["loss"] for m in train_step(ddp, opt, sched, mbs, loss_fn, ctx=ctx).metrics))
+    out[f"{key}_losses"] = [float(sum(m["loss"] for m in optimizer_step(ddp, opt, sched, mbs, loss_fn, ctx=ctx).outputs))
                             for _ in range(STEPS)]
     out[f"{key}_frozen_changed"] = [n for n, p in params if not p.requires_grad and not torch.equal(before[n], p)]
     out[f"{key}_trainable_unchanged"] = [n for n, p in params if p.requires_grad and torch.equal(before[n], p)]

@@ -29,7 +29,7 @@ def one_role(config: str, role: str) -> dict:
     from sao_megatron.models.builder import build_model_chunks, count_parameters
     from sao_megatron.models.critic import freeze_for_critic, token_values
     from sao_megatron.training.distributed import destroy, init_distributed
-    from sao_megatron.training.optim import setup_optimizer, train_step
+    from sao_megatron.training.optim import setup_optimizer, optimizer_step
 
     cfg = load_config(config)
     ctx = init_distributed(cfg.parallel, seed=0)
@@ -57,8 +57,8 @@ def one_role(config: str, role: str) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    losses = [float(train_step(ddp, opt, sched, [mb], actor_loss if role == "actor" else critic_loss,
-                               ctx=ctx).metrics[0]["loss"]) for _ in range(2)]
+    losses = [float(optimizer_step(ddp, opt, sched, [mb], actor_loss if role == "actor" else critic_loss,
+                               ctx=ctx).outputs[0]["loss"]) for _ in range(2)]
     torch.cuda.synchronize()
     counts = count_parameters(chunks)
     out = {f"{role}_peak_gib": torch.cuda.max_memory_allocated() / GIB,
