@@ -204,13 +204,14 @@ def build_model_chunks(model: ModelConfig, ctx: ParallelContext, *, value_head: 
 def check_on_device(chunks: list[torch.nn.Module], device: torch.device) -> None:
     """Every parameter on ``device`` (the training device), or a clear error naming the first one
     that is not: a module created elsewhere would fail only at the first forward. Buffers off the
-    device are logged (Megatron keeps a few bookkeeping buffers wherever it likes)."""
+    device are logged (Megatron keeps a few bookkeeping buffers wherever it likes). Models built on
+    the ``meta`` device (parameter counting, planning) hold no storage and are not checked."""
     for chunk in chunks:
         for name, t in chunk.named_buffers():
-            if t.device.type != device.type:
+            if t.device.type not in (device.type, "meta"):
                 logger.warning("model buffer %s is on %s, the run trains on %s", name, t.device, device)
         for name, t in chunk.named_parameters():
-            if t.device.type != device.type:
+            if t.device.type not in (device.type, "meta"):
                 raise RuntimeError(f"model tensor {name} was created on {t.device}, the run trains on {device}: "
                                    "a module outside Megatron's own layers ignores use_cpu_initialization "
                                    "(see models.specs.init_device)")
