@@ -115,8 +115,9 @@ def _run(args: argparse.Namespace) -> int:
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                engine_urls=args.engine_url)
     finally:
+        rank0 = dist.get_rank() == 0  # asked before the process group is gone
         destroy()
-    if dist.get_rank() == 0:
+    if rank0:
         (pathlib.Path(args.run_dir) / "parity.json").write_text(json.dumps(stats, indent=2))
         log.info("log-prob parity over %d tokens: mean |Δ| %.3g, max |Δ| %.3g (tol %.3g)",
                  stats["parity/num_tokens"], stats["parity/mean_abs"], stats["parity/max_abs"], args.tol)
