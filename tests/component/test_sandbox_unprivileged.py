@@ -299,7 +299,10 @@ print("FORKED", forked, flush=True)
 FLOOD_LIMITS = {"default": {"wall_s": 20.0, "cpu_s": 5, "memory_mb": 200},
                 "fork_count": {"wall_s": 20.0, "max_processes": 8},
                 "fork_bomb": {"wall_s": 3.0, "cpu_s": 2, "max_processes": 16},
-                "output_flood": {"wall_s": 3.0, "max_output_bytes": 10000}}
+                # cpu_s well above wall_s: this attack tests the wall limit and the output cap. With
+                # the default 2 s of CPU, an idle machine gives the writer a whole core and RLIMIT_CPU
+                # (SIGXCPU) fires before the 3 s wall limit; under load the wall limit fires first.
+                "output_flood": {"wall_s": 3.0, "cpu_s": 30, "max_output_bytes": 10000}}
 
 
 @pytest.mark.slow
