@@ -26,7 +26,7 @@ from sao_megatron.envs.sandbox import SandboxLimits, SandboxResult, run_python
 from sao_megatron.envs.tokenizer import CharTokenizer
 from sao_megatron.envs.text_task import TextTask
 from sao_megatron.envs.tool_chain import ToolChainTask
-from sao_megatron.envs.tools import CalculatorEnv, CalculatorTask, calculator
+from sao_megatron.envs.tools import CalculatorTask, ToolCallEnv, calculator
 
 TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "calculator": CalculatorTask, "math": MathTask,
                                 "code": CodeTask, "tool_chain": ToolChainTask}
@@ -78,9 +78,9 @@ def _answer_only(task: str):
 
 
 __all__ = [
-    "ArithmeticTask", "CalculatorEnv", "CalculatorTask", "CharTokenizer", "CodeTask", "DatasetError", "Env",
+    "ArithmeticTask", "CalculatorTask", "CharTokenizer", "CodeTask", "DatasetError", "Env",
     "HFTokenizer", "MathTask", "Prompt", "RewardOutcome", "RewardPool", "RewardSchedule", "SandboxLimits",
-    "SandboxResult", "SingleTurnEnv", "StepResult", "TASKS", "Task", "TextTask", "ToolChainTask", "arithmetic_reward",
+    "SandboxResult", "SingleTurnEnv", "StepResult", "TASKS", "Task", "TextTask", "ToolCallEnv", "ToolChainTask", "arithmetic_reward",
     "build_reward_schedule", "build_task", "calculator", "check_vocab", "code_reward", "extract_code",
     "last_boxed", "load_jsonl", "math_reward", "run_python",
 ]

@@ -28,9 +28,8 @@ import random
 import re
 
 from sao_megatron.envs.arithmetic import _Problem
-from sao_megatron.envs.base import Env, Prompt, StepResult
-from sao_megatron.envs.tokenizer import CharTokenizer
-from sao_megatron.envs.tools import CalculatorTask
+from sao_megatron.envs.base import Env, Prompt
+from sao_megatron.envs.tools import CalculatorTask, ToolCallEnv
 
 _BINARY = re.compile(r"^(-?\d{1,6})([+\-*])(\d{1,6})$")
 
@@ -53,29 +52,9 @@ def left_to_right(nums: list[int], ops: list[str]) -> list[int]:
     return out
 
 
-class ToolChainEnv(Env):
-    """Policy turns alternate with one-operation tool results until a turn has no call."""
-
-    def __init__(self, tokenizer: CharTokenizer, tool_call_reward: float) -> None:
-        self.tok, self.tool_call_reward = tokenizer, tool_call_reward
-
-    def reset(self, prompt: Prompt) -> list[int]:
-        return list(prompt.input_ids)
-
-    def step(self, action_ids: list[int], *, finish_reason: str) -> StepResult:
-        tok = self.tok
-        if tok.call_id not in action_ids or finish_reason == "length":
-            return StepResult(observation_ids=[], done=True)
-        start = len(action_ids) - 1 - action_ids[::-1].index(tok.call_id)
-        closed = action_ids[-1] == tok.call_end_id
-        expr = tok.decode([i for i in action_ids[start + 1:] if i != tok.call_end_id], skip_special=True,
-                          strict=False)
-        result = binary_tool(expr)
-        text = "error" if result is None else result
-        obs = ([] if closed else [tok.call_end_id]) + [tok.obs_id] + tok.encode(text) + [tok.obs_end_id]
-        return StepResult(observation_ids=obs, done=False,
-                          reward=self.tool_call_reward if result is not None else 0.0,
-                          info={"tool_ok": result is not None})
+def _one_operation(expr: str) -> tuple[bool, str]:
+    result = binary_tool(expr)
+    return (False, "error") if result is None else (True, result)
 
 
 class ToolChainTask(CalculatorTask):
@@ -93,7 +72,7 @@ class ToolChainTask(CalculatorTask):
         return _Problem(text=text, answer=str(left_to_right(nums, ops)[-1] if ops else nums[0]))
 
     def make_env(self) -> Env:
-        return ToolChainEnv(self.tokenizer, self.opts["tool_call_reward"])
+        return ToolCallEnv(self.tokenizer, _one_operation, self.opts["tool_call_reward"])
 
     def _steps(self, prompt: Prompt) -> list[tuple[str, str]]:
         """(call expression, result) per operation of the prompt's problem."""

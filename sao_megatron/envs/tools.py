@@ -15,6 +15,9 @@ memory limits); errors come back as ``<obs>error: ...</obs>``.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from sao_megatron.envs.arithmetic import ArithmeticTask
 from sao_megatron.envs.base import Env, Prompt, RewardFn, StepResult
 from sao_megatron.envs.sandbox import SandboxLimits, run_python, sandbox_mode
@@ -42,13 +45,17 @@ def calculator(expr: str, *, limits: SandboxLimits | None = None, isolation: str
     return True, res.stdout.strip()[:_MAX_RESULT_CHARS]
 
 
-class CalculatorEnv(Env):
-    """Alternates policy turns and calculator observations until the policy answers without a call."""
+class ToolCallEnv(Env):
+    """Alternates policy turns and tool observations until the policy answers without a call.
 
-    def __init__(self, tokenizer: CharTokenizer, tool_call_reward: float, isolation: str = "auto") -> None:
-        self.tok = tokenizer
-        self.tool_call_reward = tool_call_reward
-        self.isolation = isolation
+    ``tool(expr) -> (ok, text)`` evaluates the text between the turn's last ``<call>`` and
+    ``</call>``; ``text`` is what the observation shows, and an ``ok`` call earns
+    ``tool_call_reward`` on the turn's last action token. The calculator (sandboxed Python) and the
+    tool chain's one-operation parser share this loop."""
+
+    def __init__(self, tokenizer: CharTokenizer, tool: Callable[[str], tuple[bool, str]],
+                 tool_call_reward: float) -> None:
+        self.tok, self.tool, self.tool_call_reward = tokenizer, tool, tool_call_reward
 
     def reset(self, prompt: Prompt) -> list[int]:
         return list(prompt.input_ids)
@@ -59,9 +66,9 @@ class CalculatorEnv(Env):
             return StepResult(observation_ids=[], done=True)
         start = len(action_ids) - 1 - action_ids[::-1].index(tok.call_id)
         closed = action_ids[-1] == tok.call_end_id
-        expr_ids = action_ids[start + 1:len(action_ids) - closed]
-        expr = tok.decode([i for i in expr_ids if i != tok.call_end_id], skip_special=True, strict=False)
-        ok, text = calculator(expr, isolation=self.isolation)
+        expr = tok.decode([i for i in action_ids[start + 1:] if i != tok.call_end_id], skip_special=True,
+                          strict=False)
+        ok, text = self.tool(expr)
         obs = ([] if closed else [tok.call_end_id]) + [tok.obs_id] + tok.encode(text, strict=False) + [tok.obs_end_id]
         return StepResult(observation_ids=obs, done=False, reward=self.tool_call_reward if ok else 0.0,
                           info={"tool_ok": ok})
@@ -84,7 +91,8 @@ class CalculatorTask(ArithmeticTask):
         return [self.tokenizer.eos_id, self.tokenizer.call_end_id]
 
     def make_env(self) -> Env:
-        return CalculatorEnv(self.tokenizer, self.opts["tool_call_reward"], self.isolation)
+        return ToolCallEnv(self.tokenizer, functools.partial(calculator, isolation=self.isolation),
+                           self.opts["tool_call_reward"])
 
     def reward_call(self, prompt: Prompt, trajectory_ids: list[int], action_mask: list[int],
                     target: str) -> tuple[RewardFn, tuple]:
