@@ -57,10 +57,11 @@ def run_layout(name: str, workdir: str, mbs) -> dict:
     ctx = init_distributed(dataclasses.replace(LAYOUTS[name], use_distributed_optimizer=False), seed=5)
     actor = build_model_chunks(MODEL, ctx)
     if name == "ref":
+        g = torch.Generator().manual_seed(0)  # distinct experts: routing must matter
         with torch.no_grad():
             for n, p in actor[0].named_parameters():
                 if "norm" not in n:
-                    p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(n)))
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
         save_checkpoint(f"{workdir}/actor", actor)
     else:
         load_checkpoint(f"{workdir}/actor", actor)
