@@ -31,8 +31,9 @@ pairs whose own top-k set differs from the engine's, i.e. what routing without r
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,21 +56,31 @@ class LayerReplay(RouterReplay):
         self.layer, self.topk = layer, topk
         """0-based global layer index (the column block of the engine's rows) and the router's top-k."""
         self.valid: torch.Tensor | None = None
-        self.recompute: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+        self.recompute: deque[tuple[torch.Tensor, torch.Tensor] | None] = deque()
         self.counts: torch.Tensor | None = None  # mismatched, compared (token, layer) pairs, on the device
 
-    def set_targets(self, target_nk: torch.Tensor, valid_n: torch.Tensor, *, queue: bool) -> None:
-        """The next forward's ids [tokens, topk] and which rows to replay [tokens]."""
-        self.target_topk_idx, self.valid = target_nk, valid_n
+    def set_targets(self, target_nk: torch.Tensor | None, valid_n: torch.Tensor | None, *, queue: bool) -> None:
+        """The next forward's ids [tokens, topk] and which rows to replay [tokens] (None: own routing);
+        ``queue``: its backward will re-run the router (activation recomputation)."""
         if queue:
-            self.recompute.append((target_nk, valid_n))
+            self.recompute.append(None if target_nk is None else (target_nk, valid_n))
+        if target_nk is None:
+            self.release()
+            return
+        self.target_topk_idx, self.valid = target_nk, valid_n
         self.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
+    def release(self) -> None:
+        """Back to the router's own choice (the queue for recomputation is kept)."""
+        self.target_topk_idx = self.valid = None
+        self.clear_router_replay_action()
+
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
-            return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
         in_backward = torch._C._current_graph_task_id() != -1  # a recompute inside the autograd engine
-        target, valid = self.recompute.popleft() if in_backward else (self.target_topk_idx, self.valid)
+        entry = self.recompute.popleft() if in_backward and self.recompute else None
+        if entry is None and (in_backward or self.router_replay_action != RouterReplayAction.REPLAY_FORWARD):
+            return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        target, valid = entry if entry is not None else (self.target_topk_idx, self.valid)
         if target.shape[0] != scores.shape[0]:
             raise RuntimeError(f"layer {self.layer}: {target.shape[0]} replay rows for {scores.shape[0]} router "
                                "tokens (routes were prepared for another micro-batch layout)")
@@ -82,10 +93,6 @@ class LayerReplay(RouterReplay):
                 self.counts = step if self.counts is None else self.counts + step
         return scores.gather(1, idx), idx
 
-    def clear(self) -> None:
-        self.clear_indices()
-        self.valid = None
-        self.clear_router_replay_action()
 
 
 class RouteReplay:
@@ -101,9 +108,10 @@ class RouteReplay:
         """Targets for the forward of ``mb`` whose model input is ``shape`` = [b, s] (>= the micro-batch's own
         shape: fixed-shape pipelines pad it; padded rows keep the router's own choice). A micro-batch
         without routes runs with the router's own choice."""
+        queue = self.recompute and torch.is_grad_enabled()
         if ROUTES_KEY not in mb:
             for slot in self.slots:
-                slot.clear()
+                slot.set_targets(None, None, queue=queue)
             return
         routes, valid = _pad(mb[ROUTES_KEY], mb[VALID_KEY], shape)
         routes, valid = routes.transpose(0, 1), valid.transpose(0, 1)  # the routers' [s, b] order
@@ -112,10 +120,20 @@ class RouteReplay:
             part = slice(self.tp_rank * chunk, (self.tp_rank + 1) * chunk)
             routes, valid = routes[part], valid[part]
         valid_n = valid.reshape(-1)
-        queue = self.recompute and torch.is_grad_enabled()
         for slot in self.slots:
             cols = routes[..., slot.layer * slot.topk:(slot.layer + 1) * slot.topk]
             slot.set_targets(cols.reshape(-1, slot.topk).long(), valid_n, queue=queue)
+
+    @contextlib.contextmanager
+    def replaying(self, mb: dict[str, torch.Tensor], shape: Sequence[int]) -> Iterator[None]:
+        """``prepare`` for one forward; afterwards the routers choose on their own again (a forward
+        outside ``training.forward`` never sees a stale micro-batch's routes)."""
+        self.prepare(mb, shape)
+        try:
+            yield
+        finally:
+            for slot in self.slots:
+                slot.release()
 
     def take_counts(self) -> torch.Tensor:
         """[mismatched, compared] (token, layer) pairs since the last call (then reset)."""
@@ -153,6 +171,13 @@ def attach_route_replay(chunks: Sequence[torch.nn.Module], ctx: ParallelContext)
         chunk.route_replay = handle
         handles.append(handle)
     return handles
+
+
+def replaying(model: torch.nn.Module, mb: dict[str, torch.Tensor], shape: Sequence[int]):
+    """Context for one forward of ``model`` (a chunk, possibly wrapped) on micro-batch ``mb`` whose
+    model input has ``shape``: replays its routes when the chunk has replay attached, else nothing."""
+    handle = find_route_replay(model)
+    return handle.replaying(mb, shape) if handle is not None else contextlib.nullcontext()
 
 
 def find_route_replay(model: torch.nn.Module) -> RouteReplay | None:

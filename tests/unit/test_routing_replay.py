@@ -103,3 +103,34 @@ def test_replay_slot_maps_sequence_major_rows_and_sequence_parallel_slices():
 
 def _topk(scores, topk, num_groups=None, group_topk=None):
     return torch.topk(scores, k=topk, dim=1)
+
+
+def test_recomputed_router_in_backward_replays_its_own_microbatch_in_forward_order():
+    """Full recomputation: forwards of micro-batches 1 (routes), 2 (none), 3 (routes), then their
+    backwards re-run the router inside the autograd engine, in the same order."""
+    from sao_megatron.models.routing_replay import LayerReplay, RouteReplay
+
+    slot = LayerReplay(layer=0, topk=1)
+    handle = RouteReplay([slot], sequence_parallel=False, tp_rank=0, tp_size=1, recompute=True)
+    scores = torch.tensor([[0.9, 0.1, 0.0]])  # own choice: expert 0
+    mbs = [{"routed_experts": torch.tensor([[[2]]]), "route_valid": torch.tensor([[True]])}, {},
+           {"routed_experts": torch.tensor([[[1]]]), "route_valid": torch.tensor([[True]])}]
+    forward = []
+    for mb in mbs:
+        with handle.replaying(mb, (1, 1)):
+            forward.append(int(slot.get_replay_topk(scores, 1, default_compute_topk=_topk)[1]))
+    assert int(slot.get_replay_topk(scores, 1, default_compute_topk=_topk)[1]) == 0  # released after each
+    seen = []
+
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.extend(int(slot.get_replay_topk(scores, 1, default_compute_topk=_topk)[1]) for _ in mbs)
+            return grad
+
+    Recompute.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert forward == seen == [2, 0, 1] and not slot.recompute
