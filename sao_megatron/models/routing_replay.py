@@ -94,7 +94,6 @@ class LayerReplay(RouterReplay):
         return scores.gather(1, idx), idx
 
 
-
 class RouteReplay:
     """The replay slots of one model chunk on this rank; ``prepare`` before each forward of the chunk."""
 
