@@ -301,8 +301,8 @@ class RolloutConfig:
     """Bound on every weight-sync call and group operation: a dead engine fails the sync, never hangs it."""
     weight_sync_verify: bool = True
     """Compare the engines' /weights_checker checksums with the export after the first sync of each layout."""
-    return_routed_experts: bool = False
-    """Ask engines for routed expert ids (routing replay)."""
+    routing_replay: bool = False
+    """R3: engines return each token's routed experts and the actor's forward replays them (docs/routing-replay.md)."""
 
 
 @cfg

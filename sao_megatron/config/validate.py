@@ -124,9 +124,7 @@ def check_training(cfg: ExperimentConfig) -> list[str]:
         if sched.batch_size % alg.group_size:
             errs.append(f"scheduler.batch_size={sched.batch_size} must be a multiple of "
                         f"algorithm.group_size={alg.group_size}")
-    if cfg.rollout.return_routed_experts:
-        errs.append("rollout.return_routed_experts=true collects the engines' routed experts, which nothing uses "
-                    "until routing replay lands (issue 18); remove it")
+    errs += check_routing_replay(cfg)
     if alg.running_mean == "exact" and alg.running_mean_momentum != 0.99:
         errs.append("algorithm.running_mean_momentum applies to the exponential running mean only; remove it or "
                     "set algorithm.running_mean=exponential")
@@ -157,6 +155,20 @@ def check_training(cfg: ExperimentConfig) -> list[str]:
     if cfg.resources.offload_idle_optimizer and cfg.model.params_dtype == "fp32":
         errs.append("resources.offload_idle_optimizer needs model.params_dtype bf16 or fp16: with fp32 params the "
                     "optimizer's params are the model's own weights, which forward passes need on the device")
+    return errs
+
+
+def check_routing_replay(cfg: ExperimentConfig) -> list[str]:
+    """rollout.routing_replay needs routers to replay into and a token layout the replay can map."""
+    if not cfg.rollout.routing_replay:
+        return []
+    errs = []
+    if cfg.model.num_moe_experts is None:
+        errs.append("rollout.routing_replay=true replays MoE routing, but model.num_moe_experts is unset (a dense "
+                    "model has no router): set rollout.routing_replay=false")
+    if cfg.parallel.context_parallel_size > 1:
+        errs.append("rollout.routing_replay=true does not map routes onto context-parallel sequence shards: set "
+                    "parallel.context_parallel_size=1 or rollout.routing_replay=false")
     return errs
 
 

@@ -207,7 +207,7 @@ def run_rollout_node(plan: LaunchPlan, alloc: Allocation, node_index: int, *, st
     env = node_env(plan, alloc, host)
     mine = lp.engine_endpoints(alloc.rollout_addrs, alloc.port_base, per_node)[node_index * per_node:][:per_node]
     procs = [_start(lp.engine_argv(plan, python=sys.executable, model_dir=model_dir, host=host, port=port,
-                                   local_index=k, return_routed_experts=rollout.return_routed_experts,
+                                   local_index=k, return_routed_experts=rollout.routing_replay,
                                    api_key=rollout.api_key), env=env)
              for k, (_, port) in enumerate(mine)]
     try:

@@ -10,6 +10,11 @@ Generation of a turn survives weight updates according to ``partial_rollout``:
   partial output is lost; the turn continues from the last completed segment on a healthy engine);
 - ``discard``: an aborted generation ends the episode (``EpisodeDiscarded``); the scheduler
   re-queues the prompt.
+
+Routed experts (routing replay): each reply's rows are merged into the sample's, the first reply
+covering a position fixing its route (``scheduler.routes``). SGLang's retract re-prefills the
+interrupted request and returns the re-prefill's routes for its earlier tokens, so with routed
+experts on, ``retract`` pauses the engines with ``abort`` and resubmits (``pause_mode``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import numpy as np
 from sao_megatron.envs.base import Prompt, Task
 from sao_megatron.rollout.types import EngineReplyError, EngineTimeout, EngineUnavailable, SamplingParams
 from sao_megatron.scheduler.prompts import PromptRef
+from sao_megatron.scheduler.routes import merge_routes
 from sao_megatron.scheduler.sample import Sample
 from sao_megatron.scheduler.stats import RolloutStats
 
@@ -90,6 +96,12 @@ class EpisodeRunner:
         self._env_pool = concurrent.futures.ThreadPoolExecutor(env_threads, thread_name_prefix="env")
         self._aborts: set[asyncio.Future] = set()
 
+    @property
+    def pause_mode(self) -> str:
+        """How the engines are paused for a weight update: ``retract`` keeps requests on the engine,
+        except when routes are collected (a retracted request's earlier routes are recomputed)."""
+        return "retract" if self.partial_rollout == "retract" and not self.return_routed_experts else "abort"
+
     async def drain_aborts(self, timeout_s: float = 5.0) -> None:
         """Wait for the engine aborts of cancelled requests to go out."""
         if self._aborts:
@@ -110,7 +122,7 @@ class EpisodeRunner:
             if budget <= 0:
                 s.finish_reason = "max_total_tokens"
                 break
-            t = await self._turn(ep, prompt_ids + s.response_ids, budget)
+            t = await self._turn(ep, prompt_ids + s.response_ids, budget, s.routed_experts)
             s.turn_spans.append([len(s.response_ids), len(s.response_ids) + len(t.ids)])
             _append(s, t.ids, 1, t.logprobs, t.versions)
             s.finish_reason, s.routed_experts = t.finish_reason, t.routed
@@ -137,8 +149,8 @@ class EpisodeRunner:
         ep.timings["env"] += time.monotonic() - t0
         return step
 
-    async def _turn(self, ep: Episode, context: list[int], budget: int) -> _Turn:
-        out = _Turn([], [], [], "length", None)
+    async def _turn(self, ep: Episode, context: list[int], budget: int, routes: np.ndarray | None) -> _Turn:
+        out = _Turn([], [], [], "length", routes)
         failures = 0
         while len(out.ids) < budget:
             await self.gate.wait()  # never submit while the weights are being replaced
@@ -155,7 +167,7 @@ class EpisodeRunner:
             out.ids += res.output_ids
             out.logprobs += res.logprobs
             out.versions += res.versions
-            out.routed = res.routed_experts if res.routed_experts is not None else out.routed
+            out.routed = merge_routes(out.routed, res.routed_experts)  # never overwritten by a re-prefill
             out.finish_reason = res.finish_reason
             if res.finish_reason != "abort":
                 if ep.interrupted:  # retract: the request went on under the new weights

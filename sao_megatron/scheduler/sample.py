@@ -65,7 +65,8 @@ class Sample:
     timings: dict[str, float] = field(default_factory=dict)
     """Wall-clock stamps (unix s: start, end) and durations (s: generate, env, reward, queue)."""
     routed_experts: np.ndarray | None = None
-    """int32 [prompt+trajectory-1, num_layers, topk] from the episode's last request, if requested."""
+    """int32 [prompt+trajectory-1, num_layers, topk] (or [rows, num_layers*topk]) routed experts per position,
+    the first reply covering a position fixing it (``scheduler.routes``); None unless requested."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -132,7 +133,8 @@ def collate(samples: list[Sample], *, pad_id: int = 0, pad_to_multiple: int = 1)
 
     Returns: tokens, attention_mask, action_mask (int64 [B, L]); rollout_logprobs, token_rewards
     (float32 [B, L]); versions (int64 [B, L]); prompt_lens, seq_lens, index, epoch, group_id
-    (int64 [B]); rewards (float32 [B]).
+    (int64 [B]); rewards (float32 [B]); when any sample has routes, routed_experts and route_valid
+    (``_collate_routes``).
     """
     import torch
 
@@ -161,7 +163,27 @@ def collate(samples: list[Sample], *, pad_id: int = 0, pad_to_multiple: int = 1)
     result = {k: torch.from_numpy(v) for k, v in out.items()}
     result.update({k: torch.tensor(v, dtype=torch.int64) for k, v in per_sample.items()})
     result["rewards"] = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    if any(s.routed_experts is not None for s in samples):
+        result["routed_experts"], result["route_valid"] = _collate_routes(samples, width)
     return result
+
+
+def _collate_routes(samples: list[Sample], width: int):
+    """Engine routes [B, L, num_layers * topk] int32 (row i: the route of full position i) and
+    route_valid [B, L] bool (a row exists: not the last token, padding, or a sample without routes)."""
+    import torch
+
+    cols = {int(np.prod(s.routed_experts.shape[1:])) for s in samples if s.routed_experts is not None}
+    if len(cols) != 1:
+        raise ValueError(f"samples carry routed experts of different widths {sorted(cols)}: one model per batch")
+    routes = np.zeros((len(samples), width, cols.pop()), dtype=np.int32)
+    valid = np.zeros((len(samples), width), dtype=bool)
+    for i, s in enumerate(samples):
+        if s.routed_experts is not None:
+            rows = min(len(s.routed_experts), len(s.prompt_ids) + len(s.response_ids) - 1)
+            routes[i, :rows] = s.routed_experts[:rows].reshape(rows, -1)
+            valid[i, :rows] = True
+    return torch.from_numpy(routes), torch.from_numpy(valid)
 
 
 def demonstration_sample(prompt_ids: list[int], response_ids: list[int], action_mask: list[int], *,

@@ -109,7 +109,7 @@ class AsyncScheduler:
         return cls(client, task, sched_cfg, sampling, group_size=group_size, schedule=schedule,
                    max_turns=data_cfg.max_turns, max_total_tokens=data_cfg.max_total_tokens,
                    reward_workers=data_cfg.reward_workers, reward_timeout_s=data_cfg.reward_timeout_s,
-                   version=version, seed=data_cfg.seed, return_routed_experts=rollout_cfg.return_routed_experts,
+                   version=version, seed=data_cfg.seed, return_routed_experts=rollout_cfg.routing_replay,
                    mode=mode)
 
     def _check_sizes(self) -> None:
@@ -347,7 +347,7 @@ class AsyncScheduler:
                     ep.interrupted = True
                     ep.num_interruptions += 1
                     self._stats.add("interrupted")
-            await self.client.pause_generation("retract" if self.cfg.partial_rollout == "retract" else "abort")
+            await self.client.pause_generation(self.runner.pause_mode)
             try:
                 if update_fn is not None:
                     await update_fn()

@@ -19,6 +19,7 @@ from sao_megatron.training.forward import MicroBatch
 from sao_megatron.training.microbatch import plan_microbatches, slice_padded
 
 PER_TOKEN_KEYS = ("tokens", "action_mask", "rollout_logprobs", "token_rewards", "versions")
+ROUTE_KEYS = ("routed_experts", "route_valid")  # [b, s, num_layers * topk] and [b, s] (models.routing_replay)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,6 +75,7 @@ def prepare_batch(samples: list[Sample], *, dp_rank: int, dp_size: int, pad_mult
     mine = order[dp_rank::dp_size]
     tensors = {k: full[k] for k in PER_TOKEN_KEYS}
     tensors["action_mask"] = tensors["action_mask"].float()
+    tensors |= {k: full[k] for k in ROUTE_KEYS if k in full}  # routing replay: engine routes per position
     plan = plan_microbatches([seq_lens[i] for i in mine], max_tokens=max_tokens, pad_multiple=pad_multiple,
                              num_microbatches_multiple=min_microbatches)
     if len(plan.indices) < min_microbatches:

@@ -66,6 +66,10 @@ def build_components(cfg: ExperimentConfig, *, with_critic: bool = True) -> Comp
     steps = cfg.run.num_steps
     # The actor's LR schedule advances once per optimizer step: ppo_epochs x num_minibatches per batch.
     actor = build_actor(cfg.model, cfg.actor, ctx, total_steps=steps * cfg.actor.ppo_epochs * cfg.actor.num_minibatches)
+    if cfg.rollout.routing_replay:  # the actor only: the critic routes with its own router (docs/routing-replay.md)
+        from sao_megatron.models.routing_replay import attach_route_replay
+
+        attach_route_replay(actor.chunks, ctx)
     critic = build_critic(cfg.model, cfg.critic, ctx, total_steps=steps) if obj.critic and with_critic else None
     exporter = ExportPlan(actor.chunks, get_family(cfg.model.family).weight_map(cfg.model),
                           bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)

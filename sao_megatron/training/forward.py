@@ -28,6 +28,7 @@ from megatron.core.utils import get_model_config
 
 from sao_megatron.models.actor import token_logprobs
 from sao_megatron.models.critic import token_values
+from sao_megatron.models.routing_replay import replaying
 
 if TYPE_CHECKING:
     from sao_megatron.parallel.bootstrap import ParallelContext
@@ -86,7 +87,8 @@ def forward_backward(model_chunks: Sequence[torch.nn.Module], microbatches: Sequ
     def forward_step(data_iterator, model):
         (tokens, position_ids), mb = next(data_iterator)
         mask = causal_mask(tokens.shape[1], tokens.device) if use_mask else None
-        output = model(tokens, position_ids, mask)
+        with replaying(model, mb, tokens.shape):  # routing replay: this micro-batch's engine routes, if any
+            output = model(tokens, position_ids, mask)
         return output, functools.partial(_megatron_loss, loss_fn, mb)
 
     kwargs = dict(

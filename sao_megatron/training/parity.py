@@ -31,39 +31,87 @@ log = logging.getLogger(__name__)
 def measure_parity(c: Components, model: ModelConfig, run_dir: pathlib.Path, *, num_prompts: int,
                    max_new_tokens: int, temperature: float, seed: int,
                    engine_urls: list[str] | None = None) -> dict[str, float]:
-    """Collective over the trainer's world; returns the gap statistics (on every rank)."""
+    """Collective over the trainer's world; returns the gap statistics (on every rank).
+
+    With routing replay attached to the actor (``rollout.routing_replay``), the engine is asked for
+    routed experts and the gap is measured twice: ``parity/*`` with replay (what training uses) and
+    ``parity/no_replay_*`` with the trainer's own routing, plus ``parity/route_mismatch_frac``.
+    """
+    from sao_megatron.models.routing_replay import find_route_replay
+
+    replay = find_route_replay(c.actor.chunks[0]) is not None
+    pairs = generate_pairs(c, model, run_dir, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                           temperature=temperature, seed=seed, engine_urls=engine_urls, routes=replay)
+    return parity_gaps(c, pairs, vocab_size=model.vocab_size, temperature=temperature, replay=replay)
+
+
+def generate_pairs(c: Components, model: ModelConfig, run_dir: pathlib.Path, *, num_prompts: int,
+                   max_new_tokens: int, temperature: float, seed: int, engine_urls: list[str] | None = None,
+                   routes: bool = False) -> list[tuple]:
+    """Collective: export the actor, generate from task prompts (rank 0), and give every rank
+    ``(prompt ids, output ids, engine log-probs, routed experts or None)`` per prompt."""
     from sao_megatron.parallel.collectives import broadcast_object, rank0_call
     from sao_megatron.rollout.types import SamplingParams
     from sao_megatron.training.components import write_hf_export
-    from sao_megatron.training.forward import compute_logprobs
 
     out_dir = run_dir / "parity_weights"
     write_hf_export(c, model, out_dir, run_dir / "hf_template")
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True,
                               sampling_seed=seed)
-    pairs = rank0_call(lambda: _generate(c.task, out_dir, run_dir, sampling, num_prompts, seed, engine_urls))
-    pairs = broadcast_object(pairs)
-    width = max(len(p) + len(o) for p, o, _ in pairs)
-    width = -(-width // c.ctx.tp_size) * c.ctx.tp_size
-    tokens = torch.zeros(len(pairs), width, dtype=torch.long)
-    for i, (p, o, _) in enumerate(pairs):
-        tokens[i, :len(p) + len(o)] = torch.tensor(p + o)
-    lp = compute_logprobs(c.actor.chunks, [{"tokens": tokens.to(c.ctx.device)}], ctx=c.ctx,
-                          vocab_size=model.vocab_size, temperature=temperature)[0].cpu()
+    pairs = rank0_call(lambda: _generate(c.task, out_dir, run_dir, sampling, num_prompts, seed, engine_urls,
+                                         routes=routes))
+    return broadcast_object(pairs)
+
+
+def parity_gaps(c: Components, pairs: list[tuple], *, vocab_size: int, temperature: float,
+                replay: bool) -> dict[str, float]:
+    """Collective: |trainer − engine| log-prob statistics over the generated tokens of ``pairs``
+    ``(prompt ids, output ids, engine log-probs, routed experts [rows, ...] or None)``."""
+    from sao_megatron.models.routing_replay import route_metrics
+
+    mb = _parity_batch(pairs, c.ctx.tp_size, c.ctx.device)
+    plain = {k: v for k, v in mb.items() if k in ("tokens",)}
+    stats = _gaps(c, pairs, plain, vocab_size, temperature)
+    if not replay:
+        return stats
+    route_metrics(c.actor.chunks, device=c.ctx.device)  # drop counts of earlier forwards
+    replayed = _gaps(c, pairs, mb, vocab_size, temperature)
+    mismatch = route_metrics(c.actor.chunks, device=c.ctx.device).get("rollout/route_mismatch_frac", 0.0)
+    return {**replayed, **{k.replace("parity/", "parity/no_replay_"): v for k, v in stats.items()
+                           if k != "parity/num_tokens"}, "parity/route_mismatch_frac": mismatch}
+
+
+def _parity_batch(pairs: list[tuple], tp_size: int, device) -> dict[str, torch.Tensor]:
+    """One micro-batch: tokens [b, s] (s a multiple of the TP size) and, when every pair has routes,
+    routed_experts/route_valid as ``scheduler.sample.collate`` builds them."""
+    from sao_megatron.scheduler.sample import Sample, collate
+
+    samples = [Sample(prompt_ids=list(p), response_ids=list(o), action_mask=[1] * len(o), rollout_logprobs=list(e),
+                      versions=[0] * len(o), routed_experts=r) for p, o, e, r in pairs]
+    full = collate(samples, pad_to_multiple=tp_size)
+    return {k: full[k].to(device) for k in ("tokens", "routed_experts", "route_valid") if k in full}
+
+
+def _gaps(c: Components, pairs, mb, vocab_size: int, temperature: float) -> dict[str, float]:
+    from sao_megatron.training.forward import compute_logprobs
+
+    lp = compute_logprobs(c.actor.chunks, [mb], ctx=c.ctx, vocab_size=vocab_size, temperature=temperature)[0].cpu()
     gaps = torch.cat([(lp[i, len(p):len(p) + len(o)] - torch.tensor(e, dtype=lp.dtype)).abs()
-                      for i, (p, o, e) in enumerate(pairs)])
+                      for i, (p, o, e, _) in enumerate(pairs)])
     return {"parity/mean_abs": float(gaps.mean()), "parity/max_abs": float(gaps.max()),
             "parity/num_tokens": float(gaps.numel())}
 
 
-def _generate(task, model_dir, run_dir, sampling, num_prompts, seed, engine_urls):
+def _generate(task, model_dir, run_dir, sampling, num_prompts, seed, engine_urls, *, routes: bool = False):
+    """(prompt ids, output ids, engine log-probs, routed experts or None) per chosen prompt."""
     from sao_megatron.rollout.client import RolloutClient
     from sao_megatron.rollout.launch import LocalEngines
     from sao_megatron.training.async_bridge import AsyncBridge
 
     prompts = task.prompts()
     chosen = random.Random(seed).sample(prompts, min(num_prompts, len(prompts)))
-    engines = None if engine_urls else LocalEngines(model_dir, 1, log_dir=run_dir / "logs")
+    engines = None if engine_urls else LocalEngines(
+        model_dir, 1, log_dir=run_dir / "logs", extra_args=["--enable-return-routed-experts"] if routes else [])
     bridge = AsyncBridge()
     try:
         urls = engine_urls or engines.start()
@@ -73,7 +121,8 @@ def _generate(task, model_dir, run_dir, sampling, num_prompts, seed, engine_urls
             import asyncio
 
             try:
-                return await asyncio.gather(*(client.generate(p.input_ids, sampling) for p in chosen))
+                return await asyncio.gather(*(client.generate(p.input_ids, sampling, return_routed_experts=routes)
+                                              for p in chosen))
             finally:
                 await client.aclose()
 
@@ -82,7 +131,7 @@ def _generate(task, model_dir, run_dir, sampling, num_prompts, seed, engine_urls
         bridge.close()
         if engines is not None:
             engines.stop()
-    return [(p.input_ids, r.output_ids, r.logprobs) for p, r in zip(chosen, results)]
+    return [(p.input_ids, r.output_ids, r.logprobs, r.routed_experts) for p, r in zip(chosen, results)]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -121,6 +170,10 @@ def _run(args: argparse.Namespace) -> int:
         (pathlib.Path(args.run_dir) / "parity.json").write_text(json.dumps(stats, indent=2))
         log.info("log-prob parity over %d tokens: mean |Δ| %.3g, max |Δ| %.3g (tol %.3g)",
                  stats["parity/num_tokens"], stats["parity/mean_abs"], stats["parity/max_abs"], args.tol)
+        if "parity/no_replay_max_abs" in stats:
+            log.info("without routing replay: mean |Δ| %.3g, max |Δ| %.3g; routes differing %.3g of (token, layer)",
+                     stats["parity/no_replay_mean_abs"], stats["parity/no_replay_max_abs"],
+                     stats["parity/route_mismatch_frac"])
     if stats["parity/max_abs"] > args.tol:
         raise SaoError(f"log-prob gap {stats['parity/max_abs']:.3g} exceeds --tol {args.tol:g}: the engine and "
                        "the trainer disagree (weights, dtype, rope/norm settings or sampling temperature)")

@@ -112,7 +112,8 @@ class RolloutSide:
                 raise EngineStartError("rollout.engine=sglang needs rollout.engine_urls (one URL per SGLang server)")
             return list(self.cfg.engine_urls)
         self.engines = LocalEngines(model_dir, self.cfg.num_engines, api_key=self.cfg.api_key,
-                                    extra_args=["--weight-version", str(version), "--skip-tokenizer-init"],
+                                    extra_args=["--weight-version", str(version), "--skip-tokenizer-init",
+                                                *(["--enable-return-routed-experts"] if self.cfg.routing_replay else [])],
                                     log_dir=self.run_dir / "logs")
         try:
             self.engines.start()

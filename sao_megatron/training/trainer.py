@@ -18,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from sao_megatron.config import ExperimentConfig, to_dict, write_resolved
+from sao_megatron.models.routing_replay import route_metrics
 from sao_megatron.parallel.collectives import any_rank, broadcast_object, gather_metrics, rank0_call
 from sao_megatron.scheduler.sample import Sample
 from sao_megatron.training import rl_step
@@ -130,13 +131,14 @@ class Trainer:
         with resident(c.actor, offload=self.offload):
             actor = rl_step.actor_update(c.actor, batch, cfg.algorithm, self.policy, ctx=ctx)
         local = rl_step.policy_metrics(batch, actor)
+        routes = route_metrics(c.actor.chunks, device=ctx.device) if self.cfg.rollout.routing_replay else {}
         if c.critic is not None:
             critic = self._critic_steps(batch)
             local |= value_metrics(batch, critic) if actor.outputs else {}
         contributes = ctx.is_last_stage and ctx.tp_rank == 0
         metrics = gather_metrics(local if contributes else {}, rl_step.rank_weight(batch))
         self.guard.record(actor, self.step)
-        metrics |= batch_metrics(samples, batch.full, self.version) | rl_step.summary(actor, "actor")
+        metrics |= batch_metrics(samples, batch.full, self.version) | rl_step.summary(actor, "actor") | routes
         if c.critic is not None:
             metrics |= rl_step.summary(critic[-1], "critic")
         return metrics | {"_applied": actor.applied}

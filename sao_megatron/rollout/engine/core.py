@@ -232,7 +232,7 @@ class EngineCore:
         if req.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(req.logprobs, req.output)]
         if req.want_routing:
-            rows = np.concatenate(req.routing) if req.routing else np.zeros((0, self.runner.num_layers, 1), np.int32)
+            rows = np.concatenate(req.routing) if req.routing else np.zeros((0, self.runner.num_layers, max(self.runner.topk, 1)), np.int32)
             meta["routed_experts"] = base64.b64encode(np.ascontiguousarray(rows, np.int32).tobytes()).decode()
         return {"text": "", "output_ids": list(req.output), "meta_info": meta}
 

@@ -6,8 +6,9 @@ to the longest, with an attention mask hiding the padding and explicit position
 ids, so a request's logits match a fresh full forward of the same weights
 (measured ~1e-6 in fp32, tests hold it to 1e-5).
 
-Routed experts (optional): forward hooks on the MoE routers record the top-k
-expert ids of every token fed through the model, per layer.
+Routed experts (optional): forward hooks on the MoE routers (``model.layers.N.mlp.gate``, which
+returns ``(logits, weights, top-k ids)`` for qwen3_moe, glm4_moe, glm_moe_dsa and deepseek_v3 in
+transformers 5) record the top-k expert ids of every token fed through the model, per layer.
 """
 
 from __future__ import annotations
@@ -125,8 +126,11 @@ class ModelRunner:
         return hook
 
     def _collect_routing(self, batch: int, tokens: int) -> list[np.ndarray]:
-        """Recorded ids as one [tokens, num_layers, topk] int32 array per batch row (-1 for dense layers)."""
-        out = np.full((batch, tokens, self.num_layers, max(self.topk, 1)), -1, dtype=np.int32)
+        """Recorded ids as one [tokens, num_layers, topk] int32 array per batch row.
+
+        Dense layers (no router) read 0, as in SGLang 0.5.23, whose capture buffer starts zeroed and is
+        written by MoE layers only (``srt/state_capturer/routed_experts.py``)."""
+        out = np.zeros((batch, tokens, self.num_layers, max(self.topk, 1)), dtype=np.int32)
         for layer, ids in self._routing.items():
             out[:, :, layer, : ids.shape[-1]] = ids.reshape(batch, tokens, -1).to(torch.int32).numpy()
         self._routing.clear()
