@@ -93,6 +93,7 @@ class AsyncScheduler:
         self._cursor = PromptCursor(len(self.prompts), seed=seed, shuffle=shuffle)
         self._fifo: deque[list[Sample]] = deque()
         self._dropped: list[tuple[Sample, int]] = []  # (sample, version at which it was dropped) for the audit
+        self._unit_versions: dict[int, int] = {}  # id(FIFO unit) -> its oldest version (a pass over its tokens)
         self._fifo_event = asyncio.Event()
         self._units: dict[int, _Unit] = {}
         self._episodes: dict[int, Episode] = {}
@@ -327,9 +328,13 @@ class AsyncScheduler:
             n += len(unit)
 
     def _unit_version(self, unit: list[Sample]) -> int:
-        """The unit's oldest action-token version (the trainer's version for a unit without actions)."""
-        versions = [v for v in (s.oldest_version() for s in unit) if v is not None]
-        return min(versions) if versions else self.version
+        """The unit's oldest action-token version (the trainer's version for a unit without actions),
+        computed once per unit while it is in the FIFO (it reads every token)."""
+        key = id(unit)
+        if key not in self._unit_versions:
+            versions = [v for v in (s.oldest_version() for s in unit) if v is not None]
+            self._unit_versions[key] = min(versions) if versions else self.version
+        return self._unit_versions[key]
 
     def _ready(self, missing: int) -> bool:
         """Whether a unit may be taken now. ``wait_oldest``: not while an in-flight episode that would be
@@ -349,6 +354,7 @@ class AsyncScheduler:
         i = min(range(len(self._fifo)), key=lambda k: self._unit_version(self._fifo[k]))  # first of the oldest
         unit = self._fifo[i]
         del self._fifo[i]
+        self._unit_versions.pop(id(unit), None)
         return unit
 
     def take_dropped(self) -> list[tuple[Sample, int]]:
@@ -423,6 +429,7 @@ class AsyncScheduler:
         self._cursor.load_state_dict(state["cursor"])
         self._stats.counters.update(state["counters"])
         self._fifo = deque([Sample.from_dict(d) for d in unit] for unit in state["fifo"])
+        self._unit_versions.clear()
         self._base_started, self._base_version = state["base"]
         self._next_uid, self._next_gid = state["next_uid"], state["next_gid"]
         self.num_started = self._stats.counters["trained"] + sum(len(u) for u in self._fifo)
