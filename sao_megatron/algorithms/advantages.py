@@ -1,7 +1,10 @@
 """Advantage estimators: skip-observation token-level GAE, GRPO group advantages, running-mean baseline.
 
 Pure tensor maths (DESIGN.md §1). Tensors are ``[B, T]``: a batch of samples by trajectory tokens,
-padded with ``action_mask == 0``. Positions with ``action_mask == 0`` always come back as 0.
+padded with ``action_mask == 0``. Advantages are 0 wherever ``action_mask == 0``; returns are 0
+outside ``gae_value_mask`` (the action tokens, plus with plain token GAE the observation tokens
+between a row's first and last action: standard token-level GAE treats those as steps and trains
+the critic on them too).
 
 Where rewards live. The scheduler puts the outcome reward on the last action token (per-turn rewards
 on each turn's last action token). A reward found on a non-action token is *folded* into the closest
@@ -29,7 +32,7 @@ import torch
 
 __all__ = [
     "GAE_IMPLS", "RunningMeanBaseline", "broadcast_outcome_advantages", "discounted_reverse_cumsum", "gae",
-    "gae_impl_for", "grpo_advantages", "running_mean_baseline",
+    "gae_impl_for", "gae_value_mask", "grpo_advantages", "running_mean_baseline",
 ]
 
 logger = logging.getLogger(__name__)
@@ -162,16 +165,21 @@ def _gae_block(rewards, values, maskf, gamma: float, lam: float, skip_observatio
         # δ_k = r[a_k] + γ V[a_{k+1}] − V[a_k] over the compacted actions (DESIGN.md §1).
         delta = u_c.add_(values_c[:, 1:], alpha=gamma)
         adv = torch.gather(_scan(delta, gamma * lam, _CHUNK), 1, slot)
-    else:
-        # Every position up to the last action token is a step; later positions end the episode.
-        in_episode = (slot - maskf.to(slot.dtype) < slot[:, -1:]).to(maskf.dtype)  # an action at or after t
-        step_rewards = torch.gather(u_c + values_c[:, :-1], 1, slot) * maskf
-        step_values = values * in_episode
-        next_values = torch.nn.functional.pad(step_values[:, 1:], (0, 1))
-        delta = torch.add(step_rewards - step_values, next_values, alpha=gamma) * in_episode
-        adv = _scan(delta, gamma * lam, _CHUNK)
+        torch.mul(adv, maskf, out=out[0])
+        torch.add(out[0], masked_values, out=out[1])
+        return
+    # Plain: every position up to the last action token is a step; later positions end the episode.
+    in_episode = (slot - maskf.to(slot.dtype) < slot[:, -1:]).to(maskf.dtype)  # an action at or after t
+    step_rewards = torch.gather(u_c + values_c[:, :-1], 1, slot) * maskf
+    step_values = values * in_episode
+    next_values = torch.nn.functional.pad(step_values[:, 1:], (0, 1))
+    delta = torch.add(step_rewards - step_values, next_values, alpha=gamma) * in_episode
+    adv = _scan(delta, gamma * lam, _CHUNK)
     torch.mul(adv, maskf, out=out[0])
-    torch.add(out[0], masked_values, out=out[1])
+    # Returns at every step from the first action on (gae_value_mask); steps before it are the
+    # prompt's positions (their rewards are dropped, and they are no state of the trajectory).
+    adv.add_(values).mul_(in_episode * (slot > 0).to(maskf.dtype))
+    out[1].copy_(adv)
 
 
 @functools.cache
@@ -199,14 +207,17 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, 
     rewards, values: ``[B, T]`` floating (values aligned like log-probs: ``V[t]`` is the state in which
     ``y_t`` is chosen); action_mask: ``[B, T]`` bool or 0/1. Any padding side works. All entries,
     padding included, must be finite: masking is done by multiplying with the 0/1 mask (fast on CPU).
-    Returns ``(advantages, returns)``, ``[B, T]`` in ``promote(rewards, values, float32)``, 0 where
-    ``action_mask == 0``. Targets only: computed without autograd.
+    Returns ``(advantages, returns)``, ``[B, T]`` in ``promote(rewards, values, float32)``: advantages
+    0 where ``action_mask == 0``, returns 0 outside ``gae_value_mask(action_mask, skip_observations)``
+    (the critic's training targets). Targets only: computed without autograd.
 
     ``skip_observations=True``: over the action positions ``a_1 < … < a_K`` of each row,
     ``δ_k = r[a_k] + γ V[a_{k+1}] − V[a_k]`` (``V[a_{K+1}] = 0``), ``Â_k = δ_k + γλ Â_{k+1}``,
     ``G_k = Â_k + V[a_k]``; values at observation tokens only enter multiplied by 0.
     ``skip_observations=False``: plain token-level GAE where every position up to the row's last
-    action token is a step (observation tokens: reward 0 after folding, their own values).
+    action token is a step (observation tokens: reward 0 after folding, their own values); the
+    observation tokens between the first and last action get returns ``G_t = Â_t + V[t]`` too
+    (standard token-level GAE trains the critic on every step), advantages still only on actions.
 
     ``impl``: ``"kernel"`` is the fused single-pass numba kernel (CPU tensors only, ``gae_cpu``);
     ``"scan"`` the vectorised compaction + blocked scan in PyTorch (any device); ``"auto"`` picks
@@ -241,6 +252,20 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, 
         _gae_block(rewards[rows].to(dtype), values[rows].to(dtype), maskf[rows], float(gamma), float(lam),
                    skip_observations, (advantages[rows], returns[rows]))
     return advantages, returns
+
+
+def gae_value_mask(action_mask: torch.Tensor, *, skip_observations: bool) -> torch.Tensor:
+    """Where ``gae`` gives returns (the critic's value-loss tokens): ``[B, T]`` bool.
+
+    Skip-observation GAE: the action tokens. Plain token GAE: every position from a row's first to
+    its last action token (the observation tokens between turns are steps of their own); positions
+    before the first action (the prompt) and after the last are not steps.
+    """
+    mask = action_mask if action_mask.dtype == torch.bool else action_mask != 0
+    if skip_observations:
+        return mask.clone()
+    seen = mask.cumsum(1)  # actions at or before t
+    return (seen > 0) & (seen - mask.long() < seen[:, -1:])  # an action at or before t, and one at or after t
 
 
 def broadcast_outcome_advantages(outcome_advantages: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:

@@ -40,12 +40,20 @@ def _gae_rows_kernel(rewards, values, mask, gamma, gamma_lam, skip_observations,
     − V[a_k]`` with ``V[a_{K+1}] = 0``, ``Â_k = δ_k + γλ Â_{k+1}``, ``G_k = Â_k + V[a_k]``;
     observation values are never read. Otherwise every position up to the row's last action token
     is a step (observation tokens: reward 0 after folding, their own values), the value after the
-    last action is 0. Either way a reward on a non-action token is folded into the last action
-    before it (``pending``), one before the first action is dropped, and outputs are 0 off the mask.
+    last action is 0, and the observation steps after the row's first action get returns too
+    (``advantages.gae_value_mask``). Either way a reward on a non-action token is folded into the
+    last action before it (``pending``), one before the first action is dropped, advantages are 0
+    off the mask and returns 0 off the value mask.
     """
     length = rewards.shape[1]
     for b in range(lo, hi):
         r, v, m, adv, ret = rewards[b], values[b], mask[b], advantages[b], returns[b]
+        first = np.uint64(length)  # the row's first action token (plain mode only)
+        if not skip_observations:
+            for i in range(length):
+                if m[i]:
+                    first = np.uint64(i)
+                    break
         pending = 0.0  # rewards seen since (after) the next action to the left
         next_value = 0.0  # V of the next step to the right (terminal: 0)
         last = 0.0  # Â of the next step to the right
@@ -69,6 +77,8 @@ def _gae_rows_kernel(rewards, values, mask, gamma, gamma_lam, skip_observations,
                     value = np.float64(v[t])
                     last = (gamma * next_value - value) + gamma_lam * last
                     next_value = value
+                    if t > first:
+                        ret[t] = last + value
 
 
 def gae_rows(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float,

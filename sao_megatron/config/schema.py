@@ -320,6 +320,11 @@ class SchedulerConfig:
     """eta: admit while started <= (v+eta+1)*B; drop samples whose oldest token version < v-eta."""
     partial_rollout: Literal["retract", "abort", "discard"] = "retract"
     """What happens to in-flight generations on a weight update."""
+    consume_order: Literal["fifo", "oldest_first", "wait_oldest"] = "wait_oldest"
+    """Which finished samples a batch takes: fifo (finish order), oldest_first (oldest token version first,
+    then finish order), wait_oldest (oldest_first, and wait for in-flight episodes that would be stale at
+    the next batch: long responses are not dropped). fifo drops most long responses at eta=1
+    (benchmarks/scheduler_stale.py, docs/algorithm-defaults.md)."""
 
 
 @cfg

@@ -64,17 +64,10 @@ def build_task(data: DataConfig, tokenizer: CharTokenizer | HFTokenizer | None =
 
 def build_reward_schedule(data: DataConfig) -> RewardSchedule:
     """Phases of ``data.phases`` checked against the task's targets."""
-    if issubclass(TASKS.get(data.task, ArithmeticTask), TextTask):
-        return RewardSchedule(data.phases, check=_answer_only(data.task))
+    cls = TASKS.get(data.task, ArithmeticTask)
+    if issubclass(cls, TextTask):
+        return RewardSchedule(data.phases, check=cls.check_target)
     return RewardSchedule(data.phases, check=check_target)
-
-
-def _answer_only(task: str):
-    def check(target: str) -> None:
-        if target not in ("", "answer"):
-            raise ValueError(f"data.phases: task {task!r} has only the target 'answer' (got {target!r}); "
-                             "remove the phase or use task arithmetic/calculator for changing targets")
-    return check
 
 
 __all__ = [

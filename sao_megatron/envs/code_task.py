@@ -17,6 +17,10 @@ the program loads and every unit passes, else 0.0; ``partial_credit: true`` give
 units passing instead. A harness prints a per-call random token after the tests, so a program
 that exits early (``sys.exit(0)``, ``os._exit(0)``) scores 0. Deliberate introspection of the
 harness is not defended against beyond the sandbox's own limits.
+
+Non-stationary phases (``data.phases`` targets): ``answer`` (the dataset's tests) and ``offset:N``:
+every ``assert X == Y`` of the tests (at any depth) checks ``X == Y + N`` instead, so the expected
+outputs move and the program has to follow (tests whose expected values are not numbers then fail).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from sao_megatron.envs.sandbox import SandboxLimits, run_python, sandbox_mode
 from sao_megatron.envs.text_task import TextTask
 
 logger = logging.getLogger(__name__)
+_TARGET = re.compile(r"(|answer|offset:[+-]?\d+)")
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
 # Reads everything it needs before the untrusted program runs (the program may rewrite its files);
@@ -91,6 +96,23 @@ def split_tests(tests: str | list[str]) -> list[tuple[str, int]]:
     return units
 
 
+def shift_expected(units: list[tuple[str, int]], target: str) -> list[tuple[str, int]]:
+    """Test units under phase ``target``: with ``offset:N`` every ``assert X == Y`` becomes
+    ``assert X == (Y) + N``; other targets return the units unchanged."""
+    if not target.startswith("offset:"):
+        return units
+    offset = int(target.split(":", 1)[1])
+    out = []
+    for source, counted in units:
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare)
+                    and len(node.test.ops) == 1 and isinstance(node.test.ops[0], ast.Eq)):
+                node.test.comparators[0] = ast.BinOp(node.test.comparators[0], ast.Add(), ast.Constant(offset))
+        out.append((ast.unparse(ast.fix_missing_locations(tree)), counted))
+    return out
+
+
 def code_reward(response: str, units: list[tuple[str, int]], partial_credit: bool,
                 limits: dict[str, float], isolation: str = "auto") -> tuple[float, dict[str, float]]:
     """Run the response's program and the test units in the sandbox (``isolation``: a mode of
@@ -117,6 +139,12 @@ class CodeTask(TextTask):
     example = '{"prompt": "Write a Python function add(a, b).", "tests": "assert add(1, 2) == 3"}'
     defaults: dict[str, Any] = {**TextTask.defaults, "partial_credit": False, "timeout_s": 5.0,
                                 "cpu_s": 5.0, "memory_mb": 1024, "max_output_bytes": 65536, "sandbox": "isolated"}
+    targets = "'answer', 'offset:N'"
+
+    @classmethod
+    def check_target(cls, target: str) -> None:
+        if not _TARGET.fullmatch(target):
+            raise ValueError(f"data.phases: task 'code' takes the targets {cls.targets} (got {target!r})")
 
     def __init__(self, data, tokenizer) -> None:
         super().__init__(data, tokenizer)
@@ -140,5 +168,6 @@ class CodeTask(TextTask):
         o = self.opts
         limits = {"wall_s": o["timeout_s"], "cpu_s": o["cpu_s"], "memory_mb": o["memory_mb"],
                   "max_output_bytes": o["max_output_bytes"]}
-        return code_reward, (self.decode_actions(trajectory_ids, action_mask), split_tests(prompt.meta["tests"]),
+        units = shift_expected(split_tests(prompt.meta["tests"]), target)
+        return code_reward, (self.decode_actions(trajectory_ids, action_mask), units,
                              o["partial_credit"], limits, self.isolation)

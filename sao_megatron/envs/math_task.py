@@ -8,12 +8,18 @@ answer are compared by ``math_verify.verify`` (equivalent forms count: ``1/2``, 
 ``\\frac{1}{2}``, ``50\\%``). The reward runs in a RewardPool worker; math-verify's own
 (signal-based) time limit stops a pathological expression first, the pool's
 ``data.reward_timeout_s`` is the backstop.
+
+Non-stationary phases (``data.phases`` targets, the paper's online setting): ``answer`` (the gold
+answer), ``offset:N`` (the gold answer plus the integer N: the target moves and the policy has to
+follow it; numeric gold answers only, integers, decimals or ``a/b``: another gold scores 0 with a
+``reward_error``), ``boxed`` (the gold answer, counted only inside ``\boxed{}``: a format shift).
 """
 
 from __future__ import annotations
 
 import re
 import threading
+from fractions import Fraction
 from typing import Any
 
 from sao_megatron.envs.base import Prompt, RewardFn
@@ -22,6 +28,7 @@ from sao_megatron.envs.text_task import TextTask
 
 _VERIFY_TIMEOUT_S = 3
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_TARGET = re.compile(r"(|answer|boxed|offset:[+-]?\d+)")
 
 
 def last_boxed(text: str) -> str | None:
@@ -70,6 +77,20 @@ def math_reward(response: str, answer: str, require_boxed: bool) -> tuple[float,
     return correct, {"correct": correct, **info}
 
 
+def shifted_answer(answer: str, target: str) -> str:
+    """The gold answer under phase ``target``: ``offset:N`` adds N to a numeric gold (integer, decimal
+    or ``a/b``, written back as an integer or ``a/b``); other targets keep it. ValueError for an
+    offset of a non-numeric gold."""
+    if not target.startswith("offset:"):
+        return answer
+    try:
+        value = Fraction(answer.strip()) + int(target.split(":", 1)[1])
+    except ValueError:
+        raise ValueError(f"reward phase target {target!r} needs a numeric gold answer (an integer, decimal or "
+                         f"a/b), got {answer!r}") from None
+    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
 class MathTask(TextTask):
     """Math word problems with a gold answer (``data.path`` JSONL)."""
 
@@ -77,6 +98,12 @@ class MathTask(TextTask):
     required = ("answer",)
     example = '{"prompt": "What is 1/2 + 1/4? Put the final answer in \\\\boxed{}.", "answer": "3/4"}'
     defaults: dict[str, Any] = {**TextTask.defaults, "require_boxed": False}
+    targets = "'answer', 'offset:N', 'boxed'"
+
+    @classmethod
+    def check_target(cls, target: str) -> None:
+        if not _TARGET.fullmatch(target):
+            raise ValueError(f"data.phases: task 'math' takes the targets {cls.targets} (got {target!r})")
 
     def __init__(self, data, tokenizer) -> None:
         super().__init__(data, tokenizer)
@@ -88,6 +115,6 @@ class MathTask(TextTask):
 
     def reward_call(self, prompt: Prompt, trajectory_ids: list[int], action_mask: list[int],
                     target: str) -> tuple[RewardFn, tuple]:
-        args = (self.decode_actions(trajectory_ids, action_mask), str(prompt.meta["answer"]),
-                self.opts["require_boxed"])
+        args = (self.decode_actions(trajectory_ids, action_mask), shifted_answer(str(prompt.meta["answer"]), target),
+                self.opts["require_boxed"] or target == "boxed")
         return math_reward, args

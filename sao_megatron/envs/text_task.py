@@ -39,6 +39,15 @@ class TextTask(Task):
     """One dataset line, for error messages."""
     defaults: dict[str, Any] = {"chat_template": True, "system_prompt": "", "instruction": "",
                                 "heldout_fraction": 0.0, "heldout_path": ""}
+    targets = "'answer'"
+    """The reward-phase targets the task accepts (``data.phases``), for error messages."""
+
+    @classmethod
+    def check_target(cls, target: str) -> None:
+        """ValueError unless ``target`` is a reward-phase target of this task (``data.phases``)."""
+        if target not in ("", "answer"):
+            raise ValueError(f"data.phases: task {cls.name!r} has only the target 'answer' (got {target!r}); "
+                             "remove the phase or use task arithmetic/calculator for changing targets")
 
     def __init__(self, data: DataConfig, tokenizer) -> None:
         super().__init__(tokenizer)

@@ -13,6 +13,14 @@ Definitions (B = ``sched_cfg.batch_size``, η = ``max_staleness``, v = trainer v
 - Consumption: ``next_batch`` pops FIFO units in order; a unit with any action token of version
   ``< v − η`` is dropped (never trained on), its prompt re-queued and counted in
   ``rollout/dropped_stale``. η = 0 is on-policy: every trained token has version v.
+  ``consume_order`` picks the order: ``fifo`` (finish order), ``oldest_first`` (the unit with the
+  oldest token version first, then finish order: a sample about to go stale is taken before a
+  fresher one that could wait), ``wait_oldest`` (oldest_first, and the batch also waits for the
+  in-flight episodes admitted at version ``≤ v − η``, which would be stale at the next batch).
+  Long responses finish late, so under ``fifo`` they are the ones dropped (starved); the drop
+  rate per response-length quartile is ``rollout/stale_drop_frac_q{1..4}`` and every dropped
+  sample is kept for the run's audit (``take_dropped``). benchmarks/scheduler_stale.py measures
+  the three orders side by side.
 - ``sync`` mode: episodes are admitted only while a ``next_batch`` call waits, up to the batch it
   asked for (no generation while the trainer trains).
 
@@ -84,6 +92,8 @@ class AsyncScheduler:
                                     max_engine_retries=max_engine_retries, retry_backoff_s=retry_backoff_s)
         self._cursor = PromptCursor(len(self.prompts), seed=seed, shuffle=shuffle)
         self._fifo: deque[list[Sample]] = deque()
+        self._dropped: list[tuple[Sample, int]] = []  # (sample, version at which it was dropped) for the audit
+        self._unit_versions: dict[int, int] = {}  # id(FIFO unit) -> its oldest version (a pass over its tokens)
         self._fifo_event = asyncio.Event()
         self._units: dict[int, _Unit] = {}
         self._episodes: dict[int, Episode] = {}
@@ -212,8 +222,8 @@ class AsyncScheduler:
             self._in_flight -= 1
             if not self._stopping:
                 self._admit()
-                if self._in_flight == 0:
-                    self._fifo_event.set()  # wake next_batch to re-check that progress is still possible
+                if self._in_flight == 0 or self.cfg.consume_order == "wait_oldest":
+                    self._fifo_event.set()  # wake next_batch to re-check progress (and what it waits for)
 
     def _engine_version_ok(self, s: Sample, ep: Episode) -> bool:
         """Engine weights only move forward: a token older than the episode's start means the
@@ -305,17 +315,53 @@ class AsyncScheduler:
         while n < size:
             if self._fatal is not None:
                 raise RuntimeError(f"rollout failed: {self._fatal}") from self._fatal
-            if not self._fifo:
+            if not self._ready(size - n):
                 self._check_progress(size - n)
                 self._fifo_event.clear()
                 await self._fifo_event.wait()
                 continue
-            unit = self._fifo.popleft()
+            unit = self._pop()
             if self._is_stale(unit):
                 self._drop_stale(unit)
                 continue
             taken.append(unit)
             n += len(unit)
+
+    def _unit_version(self, unit: list[Sample]) -> int:
+        """The unit's oldest action-token version (the trainer's version for a unit without actions),
+        computed once per unit while it is in the FIFO (it reads every token)."""
+        key = id(unit)
+        if key not in self._unit_versions:
+            versions = [v for v in (s.oldest_version() for s in unit) if v is not None]
+            self._unit_versions[key] = min(versions) if versions else self.version
+        return self._unit_versions[key]
+
+    def _ready(self, missing: int) -> bool:
+        """Whether a unit may be taken now. ``wait_oldest``: not while an in-flight episode that would be
+        stale at the next batch (admitted at ``≤ v − η``) could still take one of the ``missing`` places."""
+        if not self._fifo:
+            return False
+        if self.cfg.consume_order != "wait_oldest":
+            return True
+        at_risk = self.version - self.cfg.max_staleness
+        if not any(ep.admitted_version <= at_risk for ep in self._episodes.values()):
+            return True
+        return sum(len(u) for u in self._fifo if self._unit_version(u) <= at_risk) >= missing
+
+    def _pop(self) -> list[Sample]:
+        if self.cfg.consume_order == "fifo":
+            return self._fifo.popleft()
+        i = min(range(len(self._fifo)), key=lambda k: self._unit_version(self._fifo[k]))  # first of the oldest
+        unit = self._fifo[i]
+        del self._fifo[i]
+        self._unit_versions.pop(id(unit), None)
+        return unit
+
+    def take_dropped(self) -> list[tuple[Sample, int]]:
+        """The samples dropped as stale since the last call, each with the trainer version it was dropped
+        at (for the run's audit; their prompts were re-queued)."""
+        out, self._dropped = self._dropped, []
+        return out
 
     def _check_progress(self, missing: int) -> None:
         if self._in_flight == 0 and self._gate.is_set() and not self._can_admit():
@@ -333,6 +379,8 @@ class AsyncScheduler:
         s = unit[0]
         self.num_started -= len(unit)
         self._stats.add("dropped_stale", len(unit))
+        self._stats.observe_dropped(unit, self.version)
+        self._dropped.extend((x, self.version) for x in unit)
         self._cursor.requeue(PromptRef(s.epoch, s.index, s.attempt))
         self._admit()
 
@@ -381,6 +429,7 @@ class AsyncScheduler:
         self._cursor.load_state_dict(state["cursor"])
         self._stats.counters.update(state["counters"])
         self._fifo = deque([Sample.from_dict(d) for d in unit] for unit in state["fifo"])
+        self._unit_versions.clear()
         self._base_started, self._base_version = state["base"]
         self._next_uid, self._next_gid = state["next_uid"], state["next_gid"]
         self.num_started = self._stats.counters["trained"] + sum(len(u) for u in self._fifo)

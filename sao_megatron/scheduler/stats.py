@@ -25,6 +25,7 @@ class RolloutStats:
 
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     _batch: list[tuple[Sample, int]] = field(default_factory=list)
+    _dropped: list[tuple[Sample, int]] = field(default_factory=list)
     _busy: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: collections.defaultdict(list))
     _window_start: float = field(default_factory=time.monotonic)
 
@@ -33,6 +34,9 @@ class RolloutStats:
 
     def observe_consumed(self, samples: list[Sample], version: int) -> None:
         self._batch.extend((s, version) for s in samples)
+
+    def observe_dropped(self, samples: list[Sample], version: int) -> None:
+        self._dropped.extend((s, version) for s in samples)
 
     def observe_request(self, url: str, start: float, end: float) -> None:
         self._busy[url].append((start, end))
@@ -43,7 +47,10 @@ class RolloutStats:
         out.update(self._staleness())
         out.update(self._rewards())
         out.update(self._utilisation(engine_urls, self._window_start, now))
+        out.update(stale_drop_by_length([s.num_action_tokens for s, _ in self._batch],
+                                        [s.num_action_tokens for s, _ in self._dropped]))
         self._batch.clear()
+        self._dropped.clear()
         self._window_start = now
         return out
 
@@ -106,3 +113,28 @@ def _union_length(intervals: list[tuple[float, float]], t0: float, t1: float) ->
         else:
             cur_e = max(cur_e, e)
     return total + (0.0 if cur_e is None else cur_e - cur_s)
+
+
+def stale_drop_by_length(kept: list[int], dropped: list[int], *, num_bins: int = 4) -> dict[str, float]:
+    """Stale-drop rate by response-length quantile: ``rollout/stale_drop_frac_q{1..num_bins}``.
+
+    kept, dropped: the action-token counts of the finished samples trained on and dropped as stale.
+    The bins are the quantiles of all of them together (q1 the shortest); a sample on a bin edge goes
+    to the lower bin. ``frac_qk`` = dropped / finished in bin k (0 for an empty bin). Also
+    ``rollout/stale_drop_frac`` overall and ``rollout/stale_drop_len_ratio``: mean length of the dropped
+    over mean length of all finished samples (1: drops independent of length; >1: long ones starve).
+    """
+    lengths = sorted(kept + dropped)
+    if not lengths:
+        return {}
+    edges = [lengths[min(len(lengths) - 1, -(-k * len(lengths) // num_bins) - 1)] for k in range(1, num_bins)]
+    total, lost = [0] * num_bins, [0] * num_bins
+    for n, is_dropped in [(n, False) for n in kept] + [(n, True) for n in dropped]:
+        k = sum(n > e for e in edges)
+        total[k] += 1
+        lost[k] += is_dropped
+    out = {f"rollout/stale_drop_frac_q{k + 1}": lost[k] / total[k] if total[k] else 0.0 for k in range(num_bins)}
+    mean_all = sum(lengths) / len(lengths)
+    out["rollout/stale_drop_frac"] = len(dropped) / len(lengths)
+    out["rollout/stale_drop_len_ratio"] = (sum(dropped) / len(dropped)) / mean_all if dropped and mean_all else 0.0
+    return out

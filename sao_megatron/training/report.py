@@ -4,7 +4,8 @@ Plots: reward curve (with a moving average), staleness histogram over the
 whole run, DIS masked-token fractions, critic explained variance, held-out
 evaluation (pass@1 with its 95 % Wilson interval, mean reward) when the run has ``eval/*`` metrics and, for
 non-stationary runs, reward per phase against steps since the phase began
-(adaptation speed).
+(adaptation speed), and the stale-drop rate per response-length quartile over the whole run
+(from ``audit.jsonl`` and ``audit_dropped.jsonl``) when the run dropped any sample.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pathlib
 from collections import Counter, defaultdict
 from typing import Any
 
+from sao_megatron.scheduler.stats import stale_drop_by_length
 from sao_megatron.training.metrics_log import read_metrics
 
 
@@ -104,6 +106,14 @@ def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None
     if _series(records, "eval/pass_at_1")[1]:
         save(_eval_figure(plt, records), "heldout_eval.png")
 
+    drops = stale_drop_summary(run_dir)
+    if drops:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar([f"q{k}" for k in range(1, 5)], [drops[f"rollout/stale_drop_frac_q{k}"] for k in range(1, 5)])
+        ax.set(xlabel="response-length quartile (q1 shortest)", ylabel="dropped / finished",
+               title=f"Stale drops by length (overall {drops['rollout/stale_drop_frac']:.1%})")
+        save(fig, "stale_drops_by_length.png")
+
     by_phase: dict[int, list[tuple[int, float]]] = defaultdict(list)
     for r in records:
         if "rollout/phase" in r and isinstance(r.get("reward/mean"), (int, float)):
@@ -117,6 +127,26 @@ def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None
         ax.legend()
         save(fig, "phase_adaptation.png")
     return written
+
+
+def stale_drop_summary(run_dir: str | pathlib.Path) -> dict[str, float] | None:
+    """Stale-drop rate per response-length quartile over the whole run (``scheduler.stats.stale_drop_by_length``
+    over the action-token counts of every trained and every dropped sample in the audit); None when
+    nothing was dropped or the audit predates lengths."""
+    import json
+
+    run_dir = pathlib.Path(run_dir)
+
+    def lengths(name: str) -> list[int] | None:
+        path = run_dir / name
+        rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.is_file() else []
+        rows = [r for r in rows if r.get("phase") != "sft"]
+        return None if any("num_action_tokens" not in r for r in rows) else [r["num_action_tokens"] for r in rows]
+
+    kept, dropped = lengths("audit.jsonl"), lengths("audit_dropped.jsonl")
+    if not dropped or kept is None:
+        return None
+    return stale_drop_by_length(kept, dropped)
 
 
 def _eval_figure(plt, records: list[dict[str, Any]]):
@@ -144,4 +174,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     for path in write_report(args.run_dir, args.out_dir):
         sys.stdout.write(f"{path}\n")
+    drops = stale_drop_summary(args.run_dir)
+    if drops:
+        quartiles = ", ".join(f"q{k} {drops[f'rollout/stale_drop_frac_q{k}']:.1%}" for k in range(1, 5))
+        sys.stdout.write(f"stale drops: {drops['rollout/stale_drop_frac']:.1%} of finished samples; by response "
+                         f"length {quartiles}; dropped/mean length {drops['rollout/stale_drop_len_ratio']:.2f}\n")
     return 0

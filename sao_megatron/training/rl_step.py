@@ -69,18 +69,23 @@ def outcome_advantages(batch: LocalBatch, alg: AlgorithmConfig,
 
 
 def attach_advantages(batch: LocalBatch, alg: AlgorithmConfig, values: Sequence[torch.Tensor] | None) -> None:
-    """Fill ``advantages`` (and ``returns``/``old_values`` with a critic) into every micro-batch.
+    """Fill ``advantages`` (and ``returns``/``old_values``/``value_mask`` with a critic) into every
+    micro-batch, and ``value_mask`` [B_global, L] into ``batch.full`` (its sum normalises the value loss).
 
     The critic's values enter GAE unmasked: skip-observation GAE reads them only at action tokens,
-    plain token-level GAE also at observation tokens (their own values, as standard GAE does).
+    plain token-level GAE also at observation tokens (their own values, as standard GAE does), and
+    then the value loss covers those observation steps too (``adv_lib.gae_value_mask``).
     """
+    skip = alg.gae == "skip_observation"
+    if values is not None:
+        batch.full["value_mask"] = adv_lib.gae_value_mask(batch.full["action_mask"], skip_observations=skip)
     for i, mb in enumerate(batch.microbatches):
         mask = mb["action_mask"]
         if values is not None:
             v = values[i]
-            adv, ret = adv_lib.gae(mb["token_rewards"], v, mask, gamma=alg.gamma, lam=alg.lam,
-                                   skip_observations=alg.gae == "skip_observation")
-            mb["advantages"], mb["returns"], mb["old_values"] = adv, ret, v * mask
+            adv, ret = adv_lib.gae(mb["token_rewards"], v, mask, gamma=alg.gamma, lam=alg.lam, skip_observations=skip)
+            value_mask = mask if skip else adv_lib.gae_value_mask(mask, skip_observations=False).to(mask.dtype)
+            mb["advantages"], mb["returns"], mb["old_values"], mb["value_mask"] = adv, ret, v * value_mask, value_mask
         else:
             assert batch.outcome_advantages is not None
             mb["advantages"] = batch.outcome_advantages[mb["row"]][:, None] * mask
@@ -164,10 +169,13 @@ def critic_values(critic, batch: LocalBatch, *, ctx) -> list[torch.Tensor]:
 
 
 def critic_update(critic, batch: LocalBatch, *, ctx, value_clip: float | None) -> UpdateResult:
-    """One critic optimizer step: ½(V − G)² over action tokens (optionally clipped around old values)."""
+    """One critic optimizer step: ½(V − G)² over the value-mask tokens (``attach_advantages``: the
+    action tokens, plus the observation steps with plain token GAE), optionally clipped around old values."""
+    num_tokens = int(batch.full["value_mask"].sum())
+
     def loss_fn(out, mb):
         v = token_values(out)
-        loss, _ = loss_lib.value_loss(v, mb["returns"], mb["action_mask"], num_tokens=batch.num_tokens,
+        loss, _ = loss_lib.value_loss(v, mb["returns"], mb["value_mask"], num_tokens=num_tokens,
                                       old_values=mb["old_values"] if value_clip else None, clip=value_clip)
         return loss, {"loss": loss.detach()}
 

@@ -153,6 +153,11 @@ class RolloutSide:
         assert self.scheduler is not None
         return self.bridge.run(self.scheduler.next_batch(batch_size))
 
+    def take_dropped(self) -> list[tuple[Sample, int]]:
+        """Samples dropped as stale since the last call, with the version they were dropped at (audit)."""
+        assert self.scheduler is not None
+        return self.bridge.run(_call(self.scheduler.take_dropped))
+
     def reset_admission_budget(self) -> None:
         """After a batch consumed without a policy update (value pretraining): admit a new batch's worth."""
         assert self.scheduler is not None

@@ -130,6 +130,7 @@ class RunState:
         self.saves = CheckpointSaves(async_save=async_save)
         self.verify_checksums = verify_checksums
         self.audit_path = run_dir / "audit.jsonl"
+        self.dropped_path = run_dir / "audit_dropped.jsonl"
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int, models: dict[str, Any], trainer_state: dict[str, Any]) -> None:
@@ -223,10 +224,29 @@ class RunState:
             for s in samples:
                 f.write(json.dumps({"step": step, "version": version, "phase": phase, "index": s.index,
                                     "epoch": s.epoch, "attempt": s.attempt, "group_id": s.group_id,
-                                    "oldest_version": s.oldest_version(), "reward": s.reward}) + "\n")
+                                    "oldest_version": s.oldest_version(), "reward": s.reward,
+                                    "num_action_tokens": s.num_action_tokens,
+                                    "response_len": len(s.response_ids)}) + "\n")
+
+    def audit_dropped(self, dropped: list[tuple[Any, int]], *, step: int) -> None:
+        """RUN_DIR/audit_dropped.jsonl: one line per sample the scheduler dropped as stale (its prompt was
+        re-queued), with the version it was dropped at, its token versions and its length, so that
+        drops can be told apart by response length (``sao-megatron report``)."""
+        if not self.rank0 or not dropped:
+            return
+        with self.dropped_path.open("a") as f:
+            for s, version in dropped:
+                vs = s.action_versions
+                f.write(json.dumps({"step": step, "dropped_at_version": version, "index": s.index,
+                                    "epoch": s.epoch, "attempt": s.attempt, "group_id": s.group_id,
+                                    "oldest_version": min(vs) if vs else None,
+                                    "newest_version": max(vs) if vs else None,
+                                    "num_action_tokens": s.num_action_tokens, "response_len": len(s.response_ids),
+                                    "reward": s.reward}) + "\n")
 
     def truncate_audit(self, step: int) -> None:
-        """Drop audit lines of steps at or after ``step`` (a fresh start: every line)."""
-        if self.audit_path.is_file():
-            keep = [ln for ln in self.audit_path.read_text().splitlines() if ln and json.loads(ln)["step"] < step]
-            self.audit_path.write_text("".join(ln + "\n" for ln in keep))
+        """Drop audit lines (trained and dropped samples) of steps at or after ``step`` (a fresh start: every line)."""
+        for path in (self.audit_path, self.dropped_path):
+            if path.is_file():
+                keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] < step]
+                path.write_text("".join(ln + "\n" for ln in keep))

@@ -110,6 +110,7 @@ class Trainer:
         samples = self._next_batch()
         t1 = time.perf_counter()
         self.state.audit(samples, step=self.step, version=self.version, phase="rl")  # at the consuming version
+        self.state.audit_dropped(self.rollout.take_dropped() if self.rank0 else [], step=self.step)
         metrics = self._update(samples)
         t2 = time.perf_counter()
         if metrics.pop("_applied"):

@@ -34,7 +34,10 @@ def fold_rewards(rewards: list[float], mask: list[bool]) -> list[float]:
 
 def gae_row(rewards: list[float], values: list[float], mask: list[bool], gamma: float, lam: float,
             skip_observations: bool) -> tuple[list[float], list[float]]:
-    """Skip-observation GAE by explicit compaction, or plain token GAE up to the last action."""
+    """Skip-observation GAE by explicit compaction, or plain token GAE up to the last action.
+
+    Advantages on action tokens only; returns on every step from the first action on (plain: the
+    observation tokens between turns are steps, and the critic learns their values too)."""
     length = len(rewards)
     adv, ret = [0.0] * length, [0.0] * length
     actions = [t for t in range(length) if mask[t]]
@@ -48,7 +51,9 @@ def gae_row(rewards: list[float], values: list[float], mask: list[bool], gamma: 
         running = delta + gamma * lam * running
         next_value = values[t]
         if mask[t]:
-            adv[t], ret[t] = running, running + values[t]
+            adv[t] = running
+        if t >= actions[0]:
+            ret[t] = running + values[t]
     return adv, ret
 
 
@@ -59,6 +64,14 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     adv = torch.tensor([a for a, _ in rows], dtype=torch.float64).reshape(rewards.shape)
     ret = torch.tensor([g for _, g in rows], dtype=torch.float64).reshape(rewards.shape)
     return adv, ret
+
+
+def value_mask_row(mask: list[bool], skip_observations: bool) -> list[bool]:
+    """Where a row has returns: its actions, or (plain) every position from its first to its last action."""
+    actions = [t for t, m in enumerate(mask) if m]
+    if skip_observations or not actions:
+        return list(mask)
+    return [actions[0] <= t <= actions[-1] for t in range(len(mask))]
 
 
 def multi_turn_mask(rng: random.Random, batch: int, length: int, *, min_run: int = 1, max_run: int = 6) -> torch.Tensor:

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 import algo_reference as ref
 from sao_megatron.algorithms import advantages as advantages_module
 from sao_megatron.algorithms.advantages import (
-    RunningMeanBaseline, broadcast_outcome_advantages, discounted_reverse_cumsum, gae, grpo_advantages,
-    running_mean_baseline,
+    RunningMeanBaseline, broadcast_outcome_advantages, discounted_reverse_cumsum, gae, gae_value_mask,
+    grpo_advantages, running_mean_baseline,
 )
 
 pytestmark = pytest.mark.unit
@@ -148,7 +148,9 @@ def test_gae_property_matches_reference(impl, case, skip):
     ref_adv, ref_ret = ref.gae(rewards, values, mask, gamma, lam, skip)
     _close(adv, ref_adv, 1e-8)
     _close(ret, ref_ret, 1e-8)
-    assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
+    value_mask = torch.tensor([ref.value_mask_row(m, skip) for m in mask.tolist()], dtype=torch.bool).reshape(mask.shape)
+    assert (adv[~mask] == 0).all() and (ret[~value_mask] == 0).all()
+    assert torch.equal(gae_value_mask(mask, skip_observations=skip), value_mask)
 
 
 @PROPS
@@ -169,12 +171,13 @@ def test_gae_lam_zero_and_one_closed_forms(impl, case):
 @given(gae_cases())
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gae_variants_agree_without_discount(impl, case):
-    """γ = λ = 1: both variants give G_t = (sum of rewards from t on) and Â_t = G_t − V_t."""
+    """γ = λ = 1: both variants give G_t = (sum of rewards from t on) and Â_t = G_t − V_t on the actions
+    (plain GAE also has returns at the observation steps between them)."""
     rewards, values, mask, _, _ = case
     skip = GAE[impl](rewards, values, mask, gamma=1.0, lam=1.0, skip_observations=True)
     plain = GAE[impl](rewards, values, mask, gamma=1.0, lam=1.0, skip_observations=False)
     _close(skip[0], plain[0], 1e-8)
-    _close(skip[1], plain[1], 1e-8)
+    _close(skip[1], plain[1] * mask, 1e-8)
 
 
 @PROPS
@@ -282,6 +285,48 @@ def test_gae_skip_never_reads_observation_values(impl):
     garbage = torch.where(mask, values, torch.full_like(values, 1e30))
     for out, expected in zip(GAE[impl](rewards, garbage, mask, gamma=0.97, lam=0.9), GAE[impl](rewards, values, mask, gamma=0.97, lam=0.9)):
         _close(out, expected, 0.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_plain_gae_returns_at_observation_steps(impl):
+    """Plain token GAE (issue 16): the observation tokens between turns are steps, so they get the
+    returns G_t = Â_t + V_t that standard token-level GAE trains the critic on; the prompt before
+    the first action and the tokens after the last get none. A hand-built row against the slow loop."""
+    mask = torch.tensor([[False, False, True, False, False, True, True, False, True, False]])
+    rewards = torch.tensor([[5.0, 0, 0, 0.5, 0, 0, 0, 0, 1.0, 2.0]], dtype=torch.float64)
+    values = torch.tensor([[3.0, 3.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 9.0]], dtype=torch.float64)
+    gamma, lam = 0.9, 0.8
+    adv, ret = GAE[impl](rewards, values, mask, gamma=gamma, lam=lam, skip_observations=False)
+    # The slow loop, written out: steps 2..8, reward 0.5 folded into step 2 and 2.0 into step 8.
+    r = {2: 0.5, 8: 3.0}
+    running, nxt, expected = 0.0, 0.0, [0.0] * 10
+    for t in range(8, 1, -1):
+        running = r.get(t, 0.0) + gamma * nxt - float(values[0, t]) + gamma * lam * running
+        nxt = float(values[0, t])
+        expected[t] = running + nxt
+    _close(ret, torch.tensor([expected], dtype=torch.float64))
+    assert ret[0, 3] != 0 and ret[0, 4] != 0 and ret[0, 7] != 0  # the observation steps have targets
+    _close(adv, (ret - values) * mask)
+    assert gae_value_mask(mask, skip_observations=False).tolist() == [[t in range(2, 9) for t in range(10)]]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gae_exact_on_dyadic_inputs(impl, skip):
+    """With γ = λ = 1/2 and rewards/values on a 1/8 grid every operation is exact in float64, so both
+    implementations must equal the slow loop bit for bit, skip-observation returns included (they
+    stay on the action tokens only: the plain mode's new returns at observation steps leave them be)."""
+    rng = random.Random(4)
+    mask = ref.multi_turn_mask(rng, 8, 14, max_run=3)
+    gen = torch.Generator().manual_seed(4)
+    rewards = torch.randint(-16, 17, (8, 14), generator=gen).double() / 8
+    values = torch.randint(-16, 17, (8, 14), generator=gen).double() / 8
+    adv, ret = GAE[impl](rewards, values, mask, gamma=0.5, lam=0.5, skip_observations=skip)
+    ref_adv, ref_ret = ref.gae(rewards, values, mask, 0.5, 0.5, skip)
+    _close(adv, ref_adv, 0.0)
+    _close(ret, ref_ret, 0.0)
+    if skip:
+        assert (ret[~mask] == 0).all()
 
 
 def _numpy_skip_gae(rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, gamma: float, lam: float):

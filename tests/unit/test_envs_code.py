@@ -8,9 +8,11 @@ import time
 
 import pytest
 
-from sao_megatron.config.schema import DataConfig
-from sao_megatron.envs import CharTokenizer, CodeTask, DatasetError, build_task, code_reward, extract_code
-from sao_megatron.envs.code_task import split_tests
+from sao_megatron.config.schema import DataConfig, RewardPhase
+from sao_megatron.envs import (
+    CharTokenizer, CodeTask, DatasetError, build_reward_schedule, build_task, code_reward, extract_code,
+)
+from sao_megatron.envs.code_task import shift_expected, split_tests
 
 pytestmark = pytest.mark.unit
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -133,3 +135,31 @@ def test_shipped_code_sample_solutions_pass():
         assert fn(*args)[0] == 1.0, p.meta["prompt"]
         fn, args = task.reward_call(p, [], [], "")  # an empty answer defines nothing
         assert fn(*args)[0] == 0.0, p.meta["prompt"]
+
+
+def test_shift_expected_rewrites_every_equality_assert():
+    units = split_tests("x = 2\nassert add(1, 2) == 3\nfor i in range(2):\n    assert add(i, 0) == i\n"
+                        "assert add(1, 1) != 5")
+    shifted = shift_expected(units, "offset:-2")
+    assert [c for _, c in shifted] == [c for _, c in units]
+    assert shifted[1][0] == "assert add(1, 2) == 3 + -2"
+    assert "assert add(i, 0) == i + -2" in shifted[2][0]
+    assert shifted[3][0] == "assert add(1, 1) != 5"  # only == is an expected output
+    assert shift_expected(units, "answer") == units
+
+
+def test_code_phases_move_the_expected_output(tmp_path):
+    """offset:N: a program returning the old outputs now fails, one returning them plus N passes."""
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"prompt": "add", "tests": "assert add(1, 2) == 3\nassert add(2, 5) == 7"}) + "\n")
+    task = build_task(DataConfig(task="code", path=str(path), max_prompt_tokens=16))
+    tok = CharTokenizer()
+    for program, target, want in (("add = lambda a, b: a + b", "", 1.0), ("add = lambda a, b: a + b", "offset:4", 0.0),
+                                  ("add = lambda a, b: a + b + 4", "offset:4", 1.0)):
+        traj = tok.encode(fenced(program)) + [tok.eos_id]
+        fn, args = task.reward_call(task.prompts()[0], traj, [1] * len(traj), target)
+        assert fn(*args)[0] == want, (program, target)
+    sched = build_reward_schedule(DataConfig(task="code", phases=[RewardPhase(start_version=4, target="offset:4")]))
+    assert [sched.target_at(v) for v in (0, 4)] == ["", "offset:4"]
+    with pytest.raises(ValueError, match="task 'code' takes the targets"):
+        build_reward_schedule(DataConfig(task="code", phases=[RewardPhase(start_version=4, target="boxed")]))

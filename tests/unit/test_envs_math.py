@@ -14,6 +14,7 @@ from sao_megatron.envs import (
     CharTokenizer, DatasetError, HFTokenizer, MathTask, RewardPool, build_reward_schedule, build_task, code_reward,
     last_boxed, math_reward,
 )
+from sao_megatron.envs.math_task import shifted_answer
 
 pytestmark = pytest.mark.unit
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -146,10 +147,41 @@ def test_math_and_code_need_data_path_at_build_and_validation():
         assert any(f"data.task={task} needs data.path" in e for e in check_training(cfg))
 
 
-def test_math_has_only_the_answer_target():
-    build_reward_schedule(DataConfig(task="math", phases=[RewardPhase(start_version=0, target="answer")]))
-    with pytest.raises(ValueError, match="only the target 'answer'"):
-        build_reward_schedule(DataConfig(task="math", phases=[RewardPhase(start_version=3, target="reverse")]))
+def test_math_phase_targets_are_checked():
+    phases = [RewardPhase(start_version=0, target="answer"), RewardPhase(start_version=5, target="offset:-3"),
+              RewardPhase(start_version=9, target="boxed")]
+    sched = build_reward_schedule(DataConfig(task="math", phases=phases))
+    assert [sched.target_at(v) for v in (0, 5, 9)] == ["answer", "offset:-3", "boxed"]
+    for bad in ("reverse", "offset:x", "offset:1.5"):
+        with pytest.raises(ValueError, match="task 'math' takes the targets"):
+            build_reward_schedule(DataConfig(task="math", phases=[RewardPhase(start_version=3, target=bad)]))
+
+
+@pytest.mark.parametrize("answer, target, want", [
+    ("7", "offset:3", "10"), ("7", "offset:-10", "-3"), ("0.5", "offset:1", "3/2"), ("3/4", "offset:+2", "11/4"),
+    ("x^2", "answer", "x^2"), ("x^2", "boxed", "x^2"),
+])
+def test_shifted_answer(answer, target, want):
+    assert shifted_answer(answer, target) == want
+
+
+def test_math_phases_move_the_target(tok, tmp_path):
+    """offset:N: the gold answer plus N scores 1 and the old answer 0; boxed: only a boxed answer counts;
+    a non-numeric gold under an offset is an error (the scheduler turns it into reward 0)."""
+    path = write_jsonl(tmp_path / "m.jsonl", [{"prompt": "6+1?", "answer": "7"}, {"prompt": "f?", "answer": "x^2"}])
+    task = MathTask(DataConfig(task="math", path=path, max_prompt_tokens=64), tok)
+    p, q = task.prompts()
+
+    def score(prompt, text, target):
+        ids = tok.encode(text)
+        fn, args = task.reward_call(prompt, ids, [1] * len(ids), target)
+        return fn(*args)[0]
+
+    assert (score(p, "\\boxed{7}", ""), score(p, "\\boxed{10}", "")) == (1.0, 0.0)
+    assert (score(p, "\\boxed{7}", "offset:3"), score(p, "\\boxed{10}", "offset:3")) == (0.0, 1.0)
+    assert (score(p, "it is 7", "answer"), score(p, "it is 7", "boxed"), score(p, "\\boxed{7}", "boxed")) == (1.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="numeric gold answer"):
+        task.reward_call(q, tok.encode("x^2"), [1] * 3, "offset:1")
 
 
 # ---------------------------------------------------------------- answers and rewards

@@ -80,3 +80,67 @@ def test_lambda_below_one_separates_the_two_estimators_and_one_joins_them():
     skip1, _ = attach("skip_observation", random_values, gamma=1.0, lam=1.0)
     for p, s in zip(plain1.microbatches, skip1.microbatches):
         assert torch.allclose(p["advantages"], s["advantages"], atol=1e-6)
+
+
+def reference_plain_returns(rewards: list[float], values: list[float], mask: list[int], gamma: float, lam: float):
+    """Plain token GAE returns G_t = Â_t + V_t at every step from the first to the last action (slow loop)."""
+    acts = [i for i, m in enumerate(mask) if m]
+    ret, nxt_v, nxt_a = [0.0] * len(mask), 0.0, 0.0
+    for t in range(acts[-1], -1, -1):
+        nxt_a = rewards[t] + gamma * nxt_v - values[t] + gamma * lam * nxt_a
+        nxt_v = values[t]
+        ret[t] = nxt_a + values[t] if t >= acts[0] else 0.0
+    return ret
+
+
+def critic_loss(batch, monkeypatch, head_values):
+    """The critic step's loss on every micro-batch with the head outputs given (no model: the loss
+    function the optimizer step would run is captured and called)."""
+    captured = {}
+
+    def fake_step(ddp, optimizer, scheduler, mbs, loss_fn, *, ctx):
+        captured["loss"] = sum(float(loss_fn(head_values(mb), mb)[0]) for mb in mbs)
+
+    monkeypatch.setattr(rl_step, "optimizer_step", fake_step)
+    critic = type("Critic", (), {"ddp": None, "optimizer": None, "scheduler": None})()
+    rl_step.critic_update(critic, batch, ctx=None, value_clip=None)
+    return captured["loss"]
+
+
+def test_plain_gae_trains_the_critic_on_observation_steps(monkeypatch):
+    """Issue 16: with plain token GAE the value loss covers the observation tokens between turns
+    (standard token-level GAE), with their GAE returns as targets; skip-observation covers actions only."""
+    batch, values = attach("token", random_values)
+    for mb, v in zip(batch.microbatches, values):
+        for b in range(mb["tokens"].shape[0]):
+            mask = mb["action_mask"][b].long().tolist()
+            expected = reference_plain_returns(mb["token_rewards"][b].tolist(), v[b].tolist(), mask, 0.9, 0.8)
+            assert mb["returns"][b].tolist() == pytest.approx(expected, abs=1e-5)
+
+    def head(mb):  # critic outputs: token_values shifts them right by one
+        return torch.full((*mb["tokens"].shape, 1), 0.25)
+
+    squares, count = 0.0, 0
+    for s in multi_turn():  # the slow reference: ½ (V − G)² summed over the steps, over their number
+        acts = [i for i, m in enumerate(s.action_mask) if m]
+        for mb, v in zip(batch.microbatches, values):
+            for b in range(mb["tokens"].shape[0]):
+                if int(mb["row"][b]) != s.index:
+                    continue
+                p = len(s.prompt_ids)
+                ret = reference_plain_returns(mb["token_rewards"][b].tolist(), v[b].tolist(),
+                                              mb["action_mask"][b].long().tolist(), 0.9, 0.8)
+                for t in range(p + acts[0], p + acts[-1] + 1):
+                    squares += 0.5 * (0.25 - ret[t]) ** 2
+                    count += 1
+    assert count > sum(s.num_action_tokens for s in multi_turn())  # observation steps are in
+    assert critic_loss(batch, monkeypatch, head) == pytest.approx(squares / count, rel=1e-5)
+
+
+def test_skip_observation_value_loss_stays_on_action_tokens(monkeypatch):
+    batch, values = attach("skip_observation", random_values)
+    assert int(batch.full["value_mask"].sum()) == batch.num_tokens
+    for mb, v in zip(batch.microbatches, values):
+        assert torch.equal(mb["value_mask"], mb["action_mask"])
+        assert (mb["returns"][mb["action_mask"] == 0] == 0).all()
+        assert torch.equal(mb["old_values"], v * mb["action_mask"])

@@ -465,6 +465,7 @@ def test_state_dict_round_trip_resumes_exactly_once():
     c2, final = asyncio.run(second(state))
     fresh = [Sample.from_dict(d) for unit in state["fifo"] for d in unit
              if min(d["versions"][i] for i, m in enumerate(d["action_mask"]) if m) >= state["version"] - 2]
+    fresh.sort(key=lambda x: x.oldest_version())  # consume_order wait_oldest: oldest version first, then FIFO order
     assert fresh and c2[0][1][0].to_dict() == fresh[0].to_dict()  # the checkpointed FIFO is served first
     trained = [(x.epoch, x.index) for _, b in c1 + c2 for x in b]
     assert len(trained) == len(set(trained)) == 32
