@@ -127,6 +127,7 @@ def check_training(cfg: ExperimentConfig) -> list[str]:
     if cfg.rollout.return_routed_experts:
         errs.append("rollout.return_routed_experts=true collects the engines' routed experts, which nothing uses "
                     "until routing replay lands (issue 18); remove it")
+    errs += check_engine_recovery(cfg.rollout.engine_restart_budget, cfg.rollout.no_engine_timeout_s)
     if alg.running_mean == "exact" and alg.running_mean_momentum != 0.99:
         errs.append("algorithm.running_mean_momentum applies to the exponential running mean only; remove it or "
                     "set algorithm.running_mean=exponential")
@@ -157,6 +158,16 @@ def check_training(cfg: ExperimentConfig) -> list[str]:
     if cfg.resources.offload_idle_optimizer and cfg.model.params_dtype == "fp32":
         errs.append("resources.offload_idle_optimizer needs model.params_dtype bf16 or fp16: with fp32 params the "
                     "optimizer's params are the model's own weights, which forward passes need on the device")
+    return errs
+
+
+def check_engine_recovery(restart_budget: int, no_engine_timeout_s: float) -> list[str]:
+    errs = []
+    if restart_budget < 0:
+        errs.append(f"rollout.engine_restart_budget={restart_budget} must be >= 0 (restarts per engine; 0: never)")
+    if not no_engine_timeout_s > 0:
+        errs.append(f"rollout.no_engine_timeout_s={no_engine_timeout_s} must be > 0 (seconds without any healthy "
+                    "engine before the run checkpoints and stops)")
     return errs
 
 
