@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from sao_megatron.rollout.client import RolloutClient
@@ -188,3 +189,27 @@ def test_generation_waits_for_a_restarted_engine_instead_of_failing(fakes):
         assert res.output_ids[0] in {port_of(u) % 100 for u in fakes.urls}  # served by a restarted one
         await close(client, sup, task)
     asyncio.run(main())
+
+
+def test_restarted_engine_is_removed_from_and_re_added_to_the_real_router(fakes, tmp_path):
+    from sao_megatron.rollout.launch import SGLangRouterProcess
+    from sao_megatron.rollout.router_admin import RouterAdmin
+
+    async def main(router_url):
+        client = RolloutClient(list(fakes.urls), router_url=router_url, timeout_s=10)
+        weights = CurrentWeights("/weights/v000003", 3)
+        sup = EngineSupervisor(client, fakes.urls, readmit=disk_readmit(client, weights), launcher=fakes,
+                               router=RouterAdmin(router_url), restart_budget=2, no_engine_timeout_s=30, **FAST)
+        task = asyncio.create_task(sup.run())
+        dead_url = fakes.urls[1]
+        fakes.signal(1, signal.SIGKILL)
+        await until(lambda: sup.num_restarts == 1, 30)
+        async with httpx.AsyncClient(trust_env=False) as http:
+            listed = {w["url"].rstrip("/") for w in (await http.get(router_url + "/workers")).json()["workers"]}
+        assert listed == {fakes.urls[0], fakes.urls[1]} and dead_url not in listed
+        served = await served_ports(client, 10)  # round robin: the restarted worker takes its share
+        assert port_of(fakes.urls[1]) % 100 in served
+        await close(client, sup, task)
+
+    with SGLangRouterProcess(fakes.urls, log_dir=tmp_path / "router") as router:
+        asyncio.run(main(router.url))
