@@ -213,3 +213,47 @@ def test_restarted_engine_is_removed_from_and_re_added_to_the_real_router(fakes,
 
     with SGLangRouterProcess(fakes.urls, log_dir=tmp_path / "router") as router:
         asyncio.run(main(router.url))
+
+
+def test_node_runner_restarts_exited_and_hung_engines_on_their_port_within_budget(tmp_path, monkeypatch):
+    """Under Slurm the node runner launched the engines: it restarts them in place (same URL)."""
+    from sao_megatron.launch import node
+    from sao_megatron.net import free_port
+
+    monkeypatch.setattr(node, "PROBE_TIMEOUT_S", 0.5)
+    port = free_port()
+    argv = [sys.executable, str(FAKE), str(tmp_path / "node.port"), "--port", str(port)]
+    eng = node.ServedEngine(argv, f"http://127.0.0.1:{port}", None, subprocess.Popen(argv))
+
+    def answers() -> int | None:
+        try:
+            return httpx.get(eng.url + "/model_info", timeout=1.0).json()["port"]
+        except httpx.HTTPError:
+            return None
+
+    def keep_until(cond, timeout_s=20.0):
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, "not reached in time"
+            node.keep_engines([eng], http, budget=2)
+            time.sleep(0.2)
+
+    with httpx.Client(trust_env=False) as http:
+        try:
+            keep_until(lambda: eng.answered)
+            first = eng.proc
+            first.kill()
+            first.wait()
+            keep_until(lambda: eng.restarts == 1 and answers() == port and eng.answered)
+            hung = eng.proc
+            os.kill(hung.pid, signal.SIGSTOP)
+            keep_until(lambda: eng.restarts == 2 and answers() == port and eng.answered)
+            assert hung.poll() == -signal.SIGKILL  # the stopped process was killed, not left behind
+            eng.proc.kill()
+            eng.proc.wait()
+            keep_until(lambda: eng.failed)  # budget 2 spent: it stays down
+            assert eng.restarts == 2 and answers() is None
+        finally:
+            if eng.proc.poll() is None:
+                eng.proc.kill()
+                eng.proc.wait()

@@ -78,3 +78,30 @@ def test_sigstopped_engine_is_found_hung_killed_and_restarted(tmp_path):
     run_dir = tmp_path / "sigstop"
     result, victim = run_with_engine_fault(run_dir, signal.SIGSTOP)
     check_recovered(run_dir, result, victim)
+
+
+def test_no_engine_left_checkpoints_and_stops_with_a_clear_error(tmp_path):
+    """Restarts disabled: with both engines killed, the run checkpoints and exits with NoEngineError."""
+    run_dir = tmp_path / "noengine"
+    overrides = [f"run.num_steps={STEPS}", "checkpoint.save_interval=100", "data.num_prompts=1000",
+                 "rollout.engine_restart_budget=0", "rollout.no_engine_timeout_s=5"]
+    proc = subprocess.Popen(train_cmd(run_dir, *overrides), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        while not any(int(p.name[1:]) >= 2 for p in (run_dir / "weights").glob("v[0-9]*") if p.is_dir()):
+            assert proc.poll() is None and time.time() < deadline, "RL did not start"
+            time.sleep(0.3)
+        for pid in engine_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("sao-megatron train: error: no rollout engine was healthy for 5 s"), err[-3000:]
+    assert "engine_restart_budget" in last
+    steps = [int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*") if "." not in p.name]
+    assert steps and 2 <= max(steps) < STEPS  # the checkpoint taken on the way out
