@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from sao_megatron.rollout.launch import LocalEngines
@@ -61,13 +62,15 @@ async def served_version(client, url: str) -> str | None:
         return None
 
 
-def disk_readmit(client, weights: CurrentWeights):
-    """Readmission for rollout.weight_sync=disk: load the current directory unless already served."""
+def disk_readmit(client, weights: CurrentWeights, on_admit: Callable[[str, str], None] = lambda old, new: None):
+    """Readmission for rollout.weight_sync=disk: load the current directory unless already served.
+    ``on_admit(old, new)`` after the admission (e.g. ``DiskWeightSync.reconnect``: verify the next push)."""
     async def readmit(old: str, new: str, admit: Admit) -> None:
         async with weights.lock:
             if await served_version(client, new) != str(weights.version):
                 await client.load_weights_from_disk_on(new, str(weights.path), weight_version=weights.version)
             await admit(new)
+        on_admit(old, new)
     return readmit
 
 

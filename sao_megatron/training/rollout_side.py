@@ -125,8 +125,8 @@ class RolloutSide:
         if self.engines is not None:
             launcher = LocalRestarter(self.engines, self.weights, self.bridge.loop, self.weights_root / "restarts",
                                       ["--skip-tokenizer-init"])
-        readmit = (disk_readmit(self.client, self.weights) if self.cfg.weight_sync == "disk"
-                   else self.reconnects.readmit)
+        readmit = (disk_readmit(self.client, self.weights, on_admit=self.disk.reconnect)
+                   if self.cfg.weight_sync == "disk" else self.reconnects.readmit)
         router = RouterAdmin(router_url, api_key=self.cfg.api_key) if router_url else None
         self.supervisor = EngineSupervisor(
             self.client, urls, readmit=readmit, launcher=launcher, router=router, api_key=self.cfg.api_key,
@@ -202,14 +202,24 @@ class RolloutSide:
 
     def paused(self, version: int) -> Callable[[Callable[[], Awaitable[None]]], None]:
         """Runs a weight-sync coroutine with generation paused, then continues at ``version`` (blocking)."""
+        disk = self.cfg.weight_sync == "disk"
+
         def run(update: Callable[[], Awaitable[None]]) -> None:
             async def locked() -> None:  # engine admissions wait: none may miss this push
                 async with self.weights.lock:
                     await update()
-                    disk = self.cfg.weight_sync == "disk"
                     self.weights.set(self.weights_root / f"v{version:06d}" if disk else None, version)
+            if disk and not self.client.healthy_urls():
+                # Every engine is down (restarting): nothing to pause or load; they load these on readmission.
+                self.bridge.run(self._record_weights(version))
+                return
             self.bridge.run(self.scheduler.on_weights_updated(version, locked))
         return run
+
+    async def _record_weights(self, version: int) -> None:
+        async with self.weights.lock:
+            self.weights.set(self.weights_root / f"v{version:06d}", version)
+        self.scheduler.set_version(version)
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """rollout.weight_sync=disk from rank 0 alone: write while engines generate, then pause → load → continue."""
