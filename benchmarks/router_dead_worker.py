@@ -87,7 +87,8 @@ def worker_api(http: httpx.Client, router: str, worker: str) -> str:
     """Which remove/add calls the router accepts, and whether the listing follows."""
     out = []
     for name, call in (("DELETE /workers/{url}", lambda: http.delete(router + "/workers/" + quote(worker, safe=""))),
-                       ("POST /remove_worker?url=", lambda: http.post(router + "/remove_worker", params={"url": worker}))):
+                       ("POST /remove_worker?url=",
+                        lambda: http.post(router + "/remove_worker", params={"url": worker}))):
         r = call()
         out.append(f"{name}: HTTP {r.status_code}")
         if r.status_code < 300:
@@ -132,7 +133,7 @@ def measure(cmd: str, policy: str) -> None:
             after = [generate(http, rurl, i) for i in range(20)]
             e1b_port = int(u1b.rsplit(":", 1)[1])
             print(f"{cmd} policy={policy}: before kill {before.count(dead_port)}/20 to the victim; after the kill "
-                  f"{fails}/{total} requests failed, the last {last_fail if last_fail is None else round(last_fail, 1)} s "
+                  f"{fails}/{total} requests failed, the last {None if last_fail is None else round(last_fail, 1)} s "
                   f"after the kill; restarted worker served {after.count(e1b_port)}/20 after re-add\n"
                   f"  worker API (dead url): {api}\n  worker API (new url): {api2}", flush=True)
             e1b.kill()
