@@ -303,6 +303,10 @@ class RolloutConfig:
     """Compare the engines' /weights_checker checksums with the export after the first sync of each layout."""
     routing_replay: bool = False
     """R3: engines return each token's routed experts and the actor's forward replays them (docs/routing-replay.md)."""
+    engine_restart_budget: int = 3
+    """Restarts allowed per engine per run (dead or hung, by the process that launched it); 0 never restarts."""
+    no_engine_timeout_s: float = 600.0
+    """With no healthy engine for this long the run checkpoints and stops with NoEngineError."""
 
 
 @cfg

@@ -125,6 +125,7 @@ def check_training(cfg: ExperimentConfig) -> list[str]:
             errs.append(f"scheduler.batch_size={sched.batch_size} must be a multiple of "
                         f"algorithm.group_size={alg.group_size}")
     errs += check_routing_replay(cfg)
+    errs += check_engine_recovery(cfg.rollout.engine_restart_budget, cfg.rollout.no_engine_timeout_s)
     if alg.running_mean == "exact" and alg.running_mean_momentum != 0.99:
         errs.append("algorithm.running_mean_momentum applies to the exponential running mean only; remove it or "
                     "set algorithm.running_mean=exponential")
@@ -169,6 +170,16 @@ def check_routing_replay(cfg: ExperimentConfig) -> list[str]:
     if cfg.parallel.context_parallel_size > 1:
         errs.append("rollout.routing_replay=true does not map routes onto context-parallel sequence shards: set "
                     "parallel.context_parallel_size=1 or rollout.routing_replay=false")
+    return errs
+
+
+def check_engine_recovery(restart_budget: int, no_engine_timeout_s: float) -> list[str]:
+    errs = []
+    if restart_budget < 0:
+        errs.append(f"rollout.engine_restart_budget={restart_budget} must be >= 0 (restarts per engine; 0: never)")
+    if not no_engine_timeout_s > 0:
+        errs.append(f"rollout.no_engine_timeout_s={no_engine_timeout_s} must be > 0 (seconds without any healthy "
+                    "engine before the run checkpoints and stops)")
     return errs
 
 

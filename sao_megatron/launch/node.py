@@ -10,7 +10,11 @@ step), then:
   ``/health`` (``train_entry``), and exits with its status once every process it started
   has exited.
 - rollout node: starts its engine servers, on rollout node 0 also the router once all
-  engines are healthy, and keeps them up until the stop file appears or SIGTERM/SIGINT.
+  engines are healthy, and keeps them up until the stop file appears or SIGTERM/SIGINT. An
+  engine that exits, or that stops answering ``/model_info`` once it has answered (hung), is
+  killed and started again on its port, up to ``rollout.engine_restart_budget`` times; the
+  trainer's supervisor (``rollout.supervisor``) loads the current weights into it and returns it
+  to the router.
 
 Signals. Checkpoint-and-exit (time limit near) is a request file in the run directory: the
 trainer node runners send SIGUSR1 to their ranks only (torchrun's children). A step-wide
@@ -42,16 +46,18 @@ import threading
 import time
 from dataclasses import dataclass
 
+import httpx
 import psutil
 
 from sao_megatron.launch import layout as lp
 from sao_megatron.launch import network
 from sao_megatron.launch.layout import LaunchPlan
-from sao_megatron.rollout.health import wait_healthy
+from sao_megatron.rollout.health import headers_for, wait_healthy
 
 log = logging.getLogger(__name__)
 _PR_SET_CHILD_SUBREAPER = 36
 ENGINE_START_TIMEOUT_S = 1800.0  # large MoE checkpoints take many minutes to load
+HANG_PROBES, PROBE_TIMEOUT_S = 3, 5.0  # checks without an answer before an engine counts as hung
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +200,51 @@ def _stop_all(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
             p.wait()
 
 
+@dataclass(slots=True)
+class ServedEngine:
+    """One engine server this node runner keeps alive."""
+
+    argv: list[str]
+    url: str
+    env: dict[str, str] | None
+    proc: subprocess.Popen
+    restarts: int = 0
+    answered: bool = False
+    """It answered /model_info since its (re)start: silence from now on means hung, not loading."""
+    silent: int = 0
+    failed: bool = False
+    """Down for good: its restart budget is spent."""
+
+    def why_dead(self, http: httpx.Client) -> str:
+        """'' while alive; else why it counts as dead (exited, or hung after it had answered)."""
+        if self.proc.poll() is not None:
+            return f"exited with {self.proc.returncode}"
+        try:
+            ok = http.get(self.url + "/model_info", timeout=PROBE_TIMEOUT_S).status_code == 200
+            self.answered, self.silent = self.answered or ok, 0
+        except httpx.HTTPError:
+            if self.answered:  # before its first answer it may still be loading its weights
+                self.silent += 1
+        return f"hung: no answer to /model_info on {self.silent} checks" if self.silent >= HANG_PROBES else ""
+
+
+def keep_engines(engines: list[ServedEngine], http: httpx.Client, *, budget: int) -> None:
+    """One round: kill and restart (same port) every engine that exited or hung, within ``budget``."""
+    for e in engines:
+        why = "" if e.failed else e.why_dead(http)
+        if not why:
+            continue
+        _stop_all([e.proc], grace_s=0.0)  # SIGKILL after no grace: also ends a stopped process
+        if e.restarts >= budget:
+            log.error("engine %s %s; its restart budget (rollout.engine_restart_budget=%d) is spent: it stays down",
+                      e.url, why, budget)
+            e.failed = True
+            continue
+        e.restarts += 1
+        log.warning("engine %s %s: restart %d of %d", e.url, why, e.restarts, budget)
+        e.proc, e.answered, e.silent = _start(e.argv, env=e.env), False, 0
+
+
 def run_rollout_node(plan: LaunchPlan, alloc: Allocation, node_index: int, *, stop: threading.Event,
                      stop_file: pathlib.Path | None = None) -> int:
     """Serve this node's engines (and the router on rollout node 0) until ``stop`` or the stop file."""
@@ -206,26 +257,34 @@ def run_rollout_node(plan: LaunchPlan, alloc: Allocation, node_index: int, *, st
     host = alloc.rollout_addrs[node_index]
     env = node_env(plan, alloc, host)
     mine = lp.engine_endpoints(alloc.rollout_addrs, alloc.port_base, per_node)[node_index * per_node:][:per_node]
-    procs = [_start(lp.engine_argv(plan, python=sys.executable, model_dir=model_dir, host=host, port=port,
-                                   local_index=k, return_routed_experts=rollout.routing_replay,
-                                   api_key=rollout.api_key), env=env)
-             for k, (_, port) in enumerate(mine)]
+    engines = []
+    for k, (addr, port) in enumerate(mine):
+        argv = lp.engine_argv(plan, python=sys.executable, model_dir=model_dir, host=host, port=port, local_index=k,
+                              return_routed_experts=rollout.routing_replay, api_key=rollout.api_key)
+        engines.append(ServedEngine(argv, lp.url(addr, port), env, _start(argv, env=env)))
+    procs: list[subprocess.Popen] = []  # the router, on rollout node 0
     try:
         engine_urls, router_url = endpoints(plan, alloc)
         if router_url and node_index == 0:
             wait_healthy(engine_urls, timeout_s=ENGINE_START_TIMEOUT_S,
-                         alive=lambda: all(p.poll() is None for p in procs))
+                         alive=lambda: all(e.proc.poll() is None for e in engines))
             rhost, rport = lp.router_endpoint(alloc.rollout_addrs, alloc.port_base)
             argv = lp.router_argv(python=sys.executable, host=rhost, port=rport, worker_urls=engine_urls,
                                   model_dir=model_dir, request_timeout_s=rollout.request_timeout_s,
                                   api_key=rollout.api_key)
             procs.append(_start(argv, env=dict(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")))
-        return _serve(procs, stop, stop_file)
+        with httpx.Client(trust_env=False, headers=headers_for(rollout.api_key)) as http:
+            return _serve(procs, stop, stop_file,
+                          keep=lambda: keep_engines(engines, http, budget=rollout.engine_restart_budget),
+                          engines=engines)
     finally:
-        _stop_all(procs)
+        _stop_all(procs + [e.proc for e in engines])
 
 
-def _serve(procs: list[subprocess.Popen], stop: threading.Event, stop_file: pathlib.Path | None) -> int:
+def _serve(procs: list[subprocess.Popen], stop: threading.Event, stop_file: pathlib.Path | None, *,
+           keep=lambda: None, engines: list[ServedEngine] = ()) -> int:
+    """Until ``stop`` or the stop file; ``keep()`` restarts engines each round. 1 if the router exits or
+    every engine of this node is down for good."""
     while not stop.wait(1.0):
         if stop_file is not None and stop_file.exists():
             log.info("stop file %s present: shutting the engines down", stop_file)
@@ -233,6 +292,10 @@ def _serve(procs: list[subprocess.Popen], stop: threading.Event, stop_file: path
         dead = [p for p in procs if p.poll() is not None]
         if dead:
             log.error("server exited with %d: %s", dead[0].returncode, " ".join(map(str, dead[0].args)))
+            return 1
+        keep()
+        if engines and all(e.failed for e in engines):
+            log.error("every engine of this node is down and out of restarts")
             return 1
     return 0
 

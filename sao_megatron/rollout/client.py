@@ -69,6 +69,9 @@ class RolloutClient:
         self.retry_backoff_s = retry_backoff_s
         self.routed_experts_layout = routed_experts_layout
         self.on_exchange = on_exchange
+        self.engine_wait_s = 0.0
+        """With no healthy engine, ``generate`` waits this long for one to come back (a restart) before
+        raising EngineUnavailable (0: raise at once)."""
         self.weight_version: int | None = None
         """Last version pushed through this client (None before the first update)."""
         self.paused = False
@@ -94,6 +97,19 @@ class RolloutClient:
     def engine_of(self, rid: str) -> str | None:
         """The engine the built-in router sent ``rid`` to (None if unknown or routed by sglang-router)."""
         return self._router.engine_of(rid)
+
+    def add_engine(self, url: str) -> None:
+        """A (re)started engine that serves the current weights joins data routing and control calls."""
+        self._router.add(url.rstrip("/"))
+
+    def remove_engine(self, url: str) -> None:
+        """Stop sending anything to ``url`` (dead or being restarted); open requests there fail over."""
+        self._router.remove(url.rstrip("/"))
+
+    async def _wait_for_engine(self) -> None:
+        deadline = time.monotonic() + self.engine_wait_s
+        while not self._router.healthy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
 
     def _mark_unhealthy(self, url: str, why: str) -> None:
         if url in self._router.inflight and self._router.is_healthy(url):
@@ -185,11 +201,21 @@ class RolloutClient:
         """Generate from ``input_ids``; the reply carries per-token log-probs and versions."""
         rid = rid or uuid.uuid4().hex
         payload = build_generate_payload(input_ids, sampling, rid=rid, return_routed_experts=return_routed_experts)
+        if self.engine_wait_s > 0 and not self._router.healthy():
+            await self._wait_for_engine()
         if self.router_url is not None:
             return await self._generate_at(self.router_url, payload, rid, return_routed_experts, via_router=True)
         tried: set[str] = set()
+        deadline = time.monotonic() + self.engine_wait_s
         while True:
-            url = self._router.pick(rid, frozenset(tried))
+            try:
+                url = self._router.pick(rid, frozenset(tried))
+            except EngineUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.25)  # an engine may be restarting: wait for it (engine_wait_s)
+                tried.clear()
+                continue
             try:
                 return await self._generate_at(url, payload, rid, return_routed_experts, via_router=False)
             except _NeverAccepted as exc:
@@ -267,6 +293,17 @@ class RolloutClient:
                               expect_json=True)
         self.weight_version = int(weight_version)
 
+    async def load_weights_from_disk_on(self, url: str, model_path: str, *, weight_version: int) -> None:
+        """One engine (not yet routed to, e.g. restarted) loads ``model_path`` as ``weight_version``,
+        inside its own update session."""
+        url = url.rstrip("/")
+        await self._call(url, "/begin_weight_update", {})
+        try:
+            await self._call(url, "/update_weights_from_disk", {"model_path": str(model_path),
+                             "weight_version": str(int(weight_version))}, expect_json=True)
+        finally:
+            await self._call(url, "/end_weight_update", {})
+
     async def init_weights_update_group(self, master_address: str, master_port: int, *,
                                         engine_world_sizes: list[int] | None = None,
                                         group_name: str = "weight_update_group", backend: str = "nccl") -> int:
@@ -327,6 +364,10 @@ class RolloutClient:
         """``/model_info`` of every healthy engine (includes ``weight_version``)."""
         replies = await self._broadcast("/model_info", None, method="GET", expect_json=True)
         return [dict(replies[u], url=u) for u in replies]
+
+    async def engine_model_info(self, url: str) -> dict:
+        """``/model_info`` of one engine, routed or not (e.g. restarted and not yet admitted)."""
+        return await self._call(url.rstrip("/"), "/model_info", None, method="GET", expect_json=True)
 
     async def health(self, timeout_s: float = HEALTH_TIMEOUT_S) -> dict[str, bool]:
         """Probe every engine (``rollout.health.probe``), unhealthy ones included; True = alive.

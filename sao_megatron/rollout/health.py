@@ -37,14 +37,14 @@ def headers_for(api_key: str | None) -> dict[str, str]:
 
 
 async def probe(http: httpx.AsyncClient, base_url: str, *, paused: bool = False,
-                health_timeout_s: float = HEALTH_TIMEOUT_S) -> EngineState:
+                health_timeout_s: float = HEALTH_TIMEOUT_S, info_timeout_s: float = INFO_TIMEOUT_S) -> EngineState:
     """One engine's state. ``paused``: the caller paused it, so /health (which would wait) is skipped.
 
-    No answer on /model_info within INFO_TIMEOUT_S: DEAD (gone or hung, e.g. SIGSTOP); /health is
+    No answer on /model_info within ``info_timeout_s``: DEAD (gone or hung, e.g. SIGSTOP); /health is
     then not asked, so a hung engine costs one short bound, not SGLang's 20 s."""
     base = base_url.rstrip("/")
     try:
-        info_ok = (await http.get(f"{base}/model_info", timeout=INFO_TIMEOUT_S)).status_code == 200
+        info_ok = (await http.get(f"{base}/model_info", timeout=info_timeout_s)).status_code == 200
     except httpx.HTTPError:
         return EngineState.DEAD
     if paused:

@@ -96,6 +96,7 @@ class LocalEngines:
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.logs: list[Path] = []
+        self._restarts: dict[int, int] = {}
 
     def _command(self, port_file: Path) -> list[str]:
         cmd = [sys.executable, "-m", "sao_megatron.cli", "--log-level", "WARNING", "serve-local",
@@ -104,17 +105,21 @@ class LocalEngines:
             cmd += ["--api-key", self.api_key]
         return cmd + self.extra_args
 
+    def _spawn(self, name: str) -> tuple[subprocess.Popen, Path, Path]:
+        port_file, log = self.log_dir / f"{name}.port", self.log_dir / f"{name}.log"
+        port_file.unlink(missing_ok=True)
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(self._command(port_file), stdout=fh, stderr=subprocess.STDOUT,
+                                    env=_offline_env(), start_new_session=True, preexec_fn=_die_with_parent)
+        return proc, port_file, log
+
     def start(self) -> list[str]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port_files = []
         try:
             for i in range(self.num_engines):
-                port_file, log = self.log_dir / f"engine{i}.port", self.log_dir / f"engine{i}.log"
-                port_file.unlink(missing_ok=True)
-                with open(log, "w") as fh:
-                    self.processes.append(subprocess.Popen(self._command(port_file), stdout=fh, stderr=subprocess.STDOUT,
-                                                           env=_offline_env(), start_new_session=True,
-                                                           preexec_fn=_die_with_parent))
+                proc, port_file, log = self._spawn(f"engine{i}")
+                self.processes.append(proc)
                 port_files.append(port_file)
                 self.logs.append(log)
             deadline = time.monotonic() + self.startup_timeout_s
@@ -139,11 +144,41 @@ class LocalEngines:
             time.sleep(0.1)
         raise TimeoutError(f"engine did not bind a port in time; log {log}:\n{_log_tail(log)}")
 
+    def alive(self, index: int) -> bool:
+        return self.processes[index].poll() is None
+
+    def restart(self, index: int, *, model_dir: str | Path | None = None, extra_args: Sequence[str] | None = None) -> str:
+        """Kill engine ``index`` (SIGKILL to its group: also ends a stopped/hung one) and start it again on
+        a new port, from ``model_dir`` with ``extra_args`` when given (e.g. the current weights and their
+        ``--weight-version``); blocks until it answers /health and returns its new URL
+        (RuntimeError/TimeoutError with the log tail)."""
+        self.kill(index)
+        if model_dir is not None:
+            self.model_dir = str(model_dir)
+        if extra_args is not None:
+            self.extra_args = list(extra_args)
+        self._restarts[index] = self._restarts.get(index, 0) + 1
+        proc, port_file, log = self._spawn(f"engine{index}.restart{self._restarts[index]}")
+        self.processes[index], self.logs[index] = proc, log
+        try:
+            deadline = time.monotonic() + self.startup_timeout_s
+            url = f"http://127.0.0.1:{self._wait_port(proc, port_file, log, deadline)}"
+            _wait_http_ok(url, proc, log, deadline, f"engine {url}")
+        except BaseException:
+            _stop_process(proc, timeout=3.0)
+            raise
+        logger.info("engine %d restarted at %s (was %s)", index, url, self.urls[index])
+        self.urls[index] = url
+        return url
+
     def kill(self, index: int) -> None:
         """SIGKILL one engine at once (failure tests)."""
         proc = self.processes[index]
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             proc.wait(10)
 
     def stop(self) -> None:

@@ -15,7 +15,7 @@ from sao_megatron.rollout.types import EngineUnavailable
 
 
 class LeastLoadedRouter:
-    """In-flight counting and rid stickiness over a fixed list of engine URLs."""
+    """In-flight counting and rid stickiness over the engine URLs (engines come and go on restarts)."""
 
     def __init__(self, urls: list[str], *, max_sticky: int = 65536):
         if not urls:
@@ -41,6 +41,20 @@ class LeastLoadedRouter:
     def mark_healthy(self, url: str) -> None:
         if url in self.inflight:
             self._healthy.add(url)
+
+    def add(self, url: str) -> None:
+        """A (re)started engine joins the rotation, healthy."""
+        if url not in self.inflight:
+            self.urls.append(url)
+            self.inflight[url] = 0
+        self._healthy.add(url)
+
+    def remove(self, url: str) -> None:
+        """An engine leaves for good (dead, being restarted); its open requests release quietly."""
+        if url in self.inflight:
+            self.urls.remove(url)
+            del self.inflight[url]
+        self._healthy.discard(url)
 
     def engine_of(self, rid: str) -> str | None:
         """The engine a request id was sent to (None if unknown or evicted)."""
@@ -68,4 +82,5 @@ class LeastLoadedRouter:
             self._sticky.popitem(last=False)
 
     def release(self, url: str) -> None:
-        self.inflight[url] -= 1
+        if url in self.inflight:  # removed meanwhile (restarted): nothing to count
+            self.inflight[url] -= 1

@@ -9,6 +9,7 @@ reward computation continue while the actor trains.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import pathlib
 from collections.abc import Awaitable, Callable, Iterable
@@ -23,6 +24,9 @@ from sao_megatron.models.families.hf_config import write_hf_template
 from sao_megatron.rollout.client import RolloutClient
 from sao_megatron.rollout.health import wait_healthy
 from sao_megatron.rollout.launch import LocalEngines, SGLangRouterProcess
+from sao_megatron.rollout.recovery import CurrentWeights, LocalRestarter, PendingReconnects, disk_readmit
+from sao_megatron.rollout.router_admin import RouterAdmin
+from sao_megatron.rollout.supervisor import EngineSupervisor
 from sao_megatron.rollout.weight_sync import DiskWeightSync
 from sao_megatron.scheduler.sample import Sample
 from sao_megatron.scheduler.scheduler import AsyncScheduler
@@ -75,6 +79,11 @@ class RolloutSide:
         self.client: RolloutClient | None = None
         self.scheduler: AsyncScheduler | None = None
         self.disk: DiskWeightSync | None = None  # the engines' start directory and rollout.weight_sync=disk
+        self.supervisor: EngineSupervisor | None = None  # restarts dead engines (rollout.supervisor)
+        self.weights: CurrentWeights | None = None
+        self.reconnects = PendingReconnects()  # rollout.weight_sync=distributed: restarted engines to rejoin
+        self._supervising: Any = None
+        self._reconnecting: list = []
 
     # ------------------------------------------------------------------ start / stop
     def start(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
@@ -89,6 +98,7 @@ class RolloutSide:
         router_url = self._start_router(urls)
         self.client = RolloutClient(urls, router_url=router_url, api_key=self.cfg.api_key,
                                     timeout_s=self.cfg.request_timeout_s)
+        self.client.engine_wait_s = self.cfg.no_engine_timeout_s  # episodes wait for a restart
         self.disk.client = self.client
         health = self.bridge.run(self.client.health(), timeout=60)
         dead = [u for u, ok in health.items() if not ok]
@@ -104,7 +114,24 @@ class RolloutSide:
             version=version, mode=self.mode)
         if scheduler_state is not None:
             self.scheduler.load_state_dict(scheduler_state)
+        self.weights = CurrentWeights(model_dir, version)
         self.bridge.run(self.scheduler.start())
+        self._start_supervisor(urls, router_url)
+
+    def _start_supervisor(self, urls: list[str], router_url: str | None) -> None:
+        """Dead or hung engines are restarted (embedded: here; sglang: by whoever launched them) and
+        readmitted with the current weights (see rollout.supervisor)."""
+        launcher = None
+        if self.engines is not None:
+            launcher = LocalRestarter(self.engines, self.weights, self.bridge.loop, self.weights_root / "restarts",
+                                      ["--skip-tokenizer-init"])
+        readmit = (disk_readmit(self.client, self.weights, on_admit=self.disk.reconnect)
+                   if self.cfg.weight_sync == "disk" else self.reconnects.readmit)
+        router = RouterAdmin(router_url, api_key=self.cfg.api_key) if router_url else None
+        self.supervisor = EngineSupervisor(
+            self.client, urls, readmit=readmit, launcher=launcher, router=router, api_key=self.cfg.api_key,
+            restart_budget=self.cfg.engine_restart_budget, no_engine_timeout_s=self.cfg.no_engine_timeout_s)
+        self._supervising = self.bridge.run(_spawn(self.supervisor.run()))
 
     def _start_engines(self, model_dir: pathlib.Path, version: int) -> list[str]:
         if self.cfg.engine == "sglang":
@@ -133,6 +160,8 @@ class RolloutSide:
 
     def close(self) -> None:
         try:
+            if self.supervisor is not None:
+                self.bridge.run(_stop_supervisor(self.supervisor, self._supervising), timeout=30)
             if self.scheduler is not None:
                 self.bridge.run(self.scheduler.stop(), timeout=60)
             if self.client is not None:
@@ -150,8 +179,22 @@ class RolloutSide:
 
     # ------------------------------------------------------------------ data and weights
     def next_batch(self, batch_size: int) -> list[Sample]:
+        """The next batch; NoEngineError once no engine was healthy for rollout.no_engine_timeout_s."""
         assert self.scheduler is not None
-        return self.bridge.run(self.scheduler.next_batch(batch_size))
+        return self.bridge.run(self._batch_or_no_engine(batch_size))
+
+    async def _batch_or_no_engine(self, batch_size: int) -> list[Sample]:
+        if self.supervisor is None:
+            return await self.scheduler.next_batch(batch_size)
+        batch = asyncio.ensure_future(self.scheduler.next_batch(batch_size))
+        gone = asyncio.ensure_future(self.supervisor.wait_no_engine())
+        await asyncio.wait({batch, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if batch.done():
+            gone.cancel()
+            return batch.result()
+        batch.cancel()  # next_batch puts back what it took: nothing is lost for the checkpoint
+        await asyncio.gather(batch, return_exceptions=True)
+        raise gone.result()
 
     def take_dropped(self) -> list[tuple[Sample, int]]:
         """Samples dropped as stale since the last call, with the version they were dropped at (audit)."""
@@ -165,9 +208,24 @@ class RolloutSide:
 
     def paused(self, version: int) -> Callable[[Callable[[], Awaitable[None]]], None]:
         """Runs a weight-sync coroutine with generation paused, then continues at ``version`` (blocking)."""
+        disk = self.cfg.weight_sync == "disk"
+
         def run(update: Callable[[], Awaitable[None]]) -> None:
-            self.bridge.run(self.scheduler.on_weights_updated(version, update))
+            async def locked() -> None:  # engine admissions wait: none may miss this push
+                async with self.weights.lock:
+                    await update()
+                    self.weights.set(self.weights_root / f"v{version:06d}" if disk else None, version)
+            if disk and not self.client.healthy_urls():
+                # Every engine is down (restarting): nothing to pause or load; they load these on readmission.
+                self.bridge.run(self._record_weights(version))
+                return
+            self.bridge.run(self.scheduler.on_weights_updated(version, locked))
         return run
+
+    async def _record_weights(self, version: int) -> None:
+        async with self.weights.lock:
+            self.weights.set(self.weights_root / f"v{version:06d}", version)
+        self.scheduler.set_version(version)
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """rollout.weight_sync=disk from rank 0 alone: write while engines generate, then pause → load → continue."""
@@ -179,7 +237,23 @@ class RolloutSide:
 
     def metrics(self) -> dict[str, float]:
         assert self.scheduler is not None
-        return self.bridge.run(_call(self.scheduler.metrics))
+        out = self.bridge.run(_call(self.scheduler.metrics))
+        return out | (self.supervisor.metrics() if self.supervisor is not None else {})
+
+    def take_reconnects(self) -> list[tuple[str, str]]:
+        """rollout.weight_sync=distributed: restarted engines whose update groups the trainer rebuilds
+        (``reconnect(old, new)`` on every rank) before the next push; ``admit_reconnected`` after it."""
+        self._reconnecting = self.reconnects.take()
+        return [(old, new) for old, new, _ in self._reconnecting]
+
+    def admit_reconnected(self, reached: set[str]) -> None:
+        """After the push: route to the reconnected engines it ``reached``; the others retry next push."""
+        for old, new, admit in self._reconnecting:
+            if new in reached:
+                self.bridge.run(admit(new))
+            else:
+                self.bridge.run(self.reconnects.readmit(old, new, admit))
+        self._reconnecting = []
 
     def state_dict(self) -> dict[str, Any]:
         assert self.scheduler is not None
@@ -188,3 +262,14 @@ class RolloutSide:
 
 async def _call(fn):
     return fn()
+
+
+async def _spawn(coro) -> asyncio.Task:
+    return asyncio.ensure_future(coro)
+
+
+async def _stop_supervisor(supervisor: EngineSupervisor, task: asyncio.Task | None) -> None:
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    await supervisor.aclose()

@@ -171,7 +171,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ rollout side
     def _next_batch(self) -> list[Sample]:
-        return broadcast_object(self.rollout.next_batch(self.cfg.scheduler.batch_size) if self.rank0 else None)
+        from sao_megatron.rollout.supervisor import NoEngineError
+
+        def rank0() -> list[Sample] | str:
+            try:
+                return self.rollout.next_batch(self.cfg.scheduler.batch_size)
+            except NoEngineError as exc:  # every rank must learn it, then checkpoint together
+                return str(exc)
+        got = broadcast_object(rank0() if self.rank0 else None)
+        if isinstance(got, str):
+            self.save()
+            self.state.saves.wait()
+            raise NoEngineError(got)
+        return got
 
     def _start_rollout(self, state: dict[str, Any] | None) -> None:
         from sao_megatron.training.rollout_side import build_rollout_side
@@ -197,13 +209,27 @@ class Trainer:
     def _sync_weights(self) -> dict[str, float]:
         t0 = time.perf_counter()
         if self.weight_sync is not None:  # collective: each owner sends its own tensors
+            self._reconnect_restarted()
             out = self.weight_sync.push(iter_owned_hf_tensors(self.c.exporter), self.version,
                                         paused=self.rollout.paused(self.version) if self.rank0 else None)
             out = {"rollout/weight_sync_bytes": out["weight_sync/bytes"], **out} if self.rank0 else {}
+            if self.rank0:  # restarted engines the push reached serve again
+                self.rollout.admit_reconnected({l.url for l in self.weight_sync.links if l.failed is None})
         else:  # disk: rank 0 writes the export while the engines generate
             gen = export_weights(self.c)
             out = rank0_call(lambda: self.rollout.push_weights(gen, self.version), others=lambda: drain(gen))
         return (out or {}) | {"timing/weight_sync_s": time.perf_counter() - t0}
+
+    def _reconnect_restarted(self) -> None:
+        """Collective: rebuild the update groups of engines restarted since the last push."""
+        pairs = broadcast_object(self.rollout.take_reconnects() if self.rank0 else None)
+        from sao_megatron.rollout.weight_sync_distributed import WeightSyncError
+
+        for old, new in pairs:
+            try:  # raised on every rank alike (rank 0's verdict is shared): the engine stays out
+                self.weight_sync.reconnect(old if self.rank0 else None, new if self.rank0 else None)
+            except WeightSyncError as exc:
+                log.error("restarted engine %s could not rejoin the weight sync: %s", new, exc)
 
     # ------------------------------------------------------------------ checkpoints
     def _should_save(self) -> bool:
