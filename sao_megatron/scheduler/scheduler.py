@@ -395,15 +395,19 @@ class AsyncScheduler:
                     ep.interrupted = True
                     ep.num_interruptions += 1
                     self._stats.add("interrupted")
-            await self.client.pause_generation(self.runner.pause_mode)
+            # The pause is inside the try: when every engine dies between the caller's health check
+            # and this call, the error must not leave the admission gate closed for good.
             try:
+                await self.client.pause_generation(self.runner.pause_mode)
                 if update_fn is not None:
                     await update_fn()
                 self.version = version
             finally:
-                await self.client.continue_generation()
-                self._gate.set()
-                self._admit()
+                try:
+                    await self.client.continue_generation()
+                finally:
+                    self._gate.set()
+                    self._admit()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

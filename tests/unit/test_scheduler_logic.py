@@ -588,3 +588,35 @@ def test_engines_behind_the_trainer_version_fail_loudly():
             await asyncio.wait_for(s.next_batch(), 10)
         await s.stop()
     asyncio.run(run())
+
+
+def test_a_failed_pause_does_not_close_admission_for_good():
+    """Every engine died between the trainer's health check and the pause of a weight push: the
+    push fails, but generation and admission go on once engines are back (the gate reopens)."""
+    class PauseFails(FakeClient):
+        fail_next_pause = False
+
+        async def pause_generation(self, mode="retract"):
+            if self.fail_next_pause:
+                self.fail_next_pause = False
+                raise EngineUnavailable("every engine is down", url="fake://0")
+            await super().pause_generation(mode)
+
+    async def run():
+        c = PauseFails()
+        s = make(c, eta=1, concurrency=2)  # the second batch needs admissions after the failure
+        await s.start()
+        await s.next_batch()
+        c.fail_next_pause = True
+        with pytest.raises(EngineUnavailable):
+            await s.on_weights_updated(1)
+        assert s.version == 0  # the weights were not pushed
+        # generation goes on under the old weights: the second batch of the admission budget arrives
+        assert len(await asyncio.wait_for(s.next_batch(), 20)) == 4
+
+        async def push():
+            c.version = 1
+        await s.on_weights_updated(1, push)  # the engines are back: the next push goes through
+        assert len(await asyncio.wait_for(s.next_batch(), 20)) == 4
+        await s.stop()
+    asyncio.run(run())
