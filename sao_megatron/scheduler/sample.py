@@ -17,6 +17,8 @@ observation of turn ``i`` (if any) fills ``[end_i, start_{i+1})``.
 
 from __future__ import annotations
 
+import base64
+
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -104,11 +106,17 @@ class Sample:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form (checkpoints, inspection)."""
+        """JSON-serialisable form (checkpoints, inspection).
+
+        Routed experts are stored as base64 of the narrowest unsigned dtype that holds the expert
+        ids (uint8 up to 256 experts): the routes of an 8k-token GLM-5 sample
+        (75 MoE layers x top-8) are 22 MB as JSON numbers and 6.6 MB this way."""
         d = asdict(self)
         if self.routed_experts is not None:
-            d["routed_experts"] = {"shape": list(self.routed_experts.shape),
-                                   "data": self.routed_experts.astype(np.int32).ravel().tolist()}
+            ids = np.asarray(self.routed_experts)
+            dtype = _route_dtype(int(ids.min(initial=0)), int(ids.max(initial=0)))
+            d["routed_experts"] = {"shape": list(ids.shape), "dtype": dtype,
+                                   "b64": base64.b64encode(ids.astype(dtype).tobytes()).decode()}
         return d
 
     @classmethod
@@ -120,8 +128,18 @@ class Sample:
         d = dict(d)
         re = d.get("routed_experts")
         if re is not None:
-            d["routed_experts"] = np.asarray(re["data"], dtype=np.int32).reshape(re["shape"])
+            if "b64" in re:
+                flat = np.frombuffer(base64.b64decode(re["b64"]), dtype=re["dtype"])
+            else:  # checkpoints written before the compact form: a JSON list of int32
+                flat = np.asarray(re["data"])
+            d["routed_experts"] = flat.astype(np.int32).reshape(re["shape"])
         return cls(**d)
+
+
+def _route_dtype(min_id: int, max_id: int) -> str:
+    if min_id < 0:  # a negative marker (e.g. -1 for "no route") keeps the engines' int32
+        return "int32"
+    return "uint8" if max_id < 1 << 8 else "uint16" if max_id < 1 << 16 else "int32"
 
 
 def collate(samples: list[Sample], *, pad_id: int = 0, pad_to_multiple: int = 1) -> dict[str, Any]:

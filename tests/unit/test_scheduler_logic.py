@@ -541,6 +541,15 @@ def test_token_rewards_and_serialisation():
     s.routed_experts = np.arange(24, dtype=np.int32).reshape(8, 1, 3)
     back = Sample.from_dict(json.loads(json.dumps(s.to_dict())))
     assert back.to_dict() == s.to_dict() and back.routed_experts.shape == (8, 1, 3)
+    for ids in (np.array([[0, 255]]), np.array([[3, 256]]), np.array([[7, 70000]]), np.array([[-1, 5]])):
+        s.routed_experts = ids.astype(np.int32)
+        back = Sample.from_dict(json.loads(json.dumps(s.to_dict())))
+        assert back.routed_experts.dtype == np.int32 and np.array_equal(back.routed_experts, ids), ids
+    old = {**s.to_dict(), "routed_experts": {"shape": [2, 2], "data": [1, 2, 3, 4]}}  # the former JSON form
+    assert Sample.from_dict(old).routed_experts.tolist() == [[1, 2], [3, 4]]
+    wide = np.random.default_rng(0).integers(0, 256, size=(8192, 75, 8)).astype(np.int32)  # GLM-5: 8k tokens
+    s.routed_experts = wide
+    assert len(json.dumps(s.to_dict())) < wide.size * 1.4  # base64 of uint8, not JSON numbers
     with pytest.raises(ValueError, match="disagree"):
         Sample(prompt_ids=[1], response_ids=[1, 2], action_mask=[1], rollout_logprobs=[0.0], versions=[0])
 
