@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -124,8 +125,13 @@ def test_kill_and_resume_trains_every_prompt_once(tmp_path):
 
 
 def engines_of(run_dir) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if "serve-local" in ln and str(run_dir) in ln]
+    # psutil reads whole command lines; `ps -eo args` cuts them at $COLUMNS, which hid the run dir.
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        line = " ".join(p.info["cmdline"] or [])
+        if "serve-local" in line and str(run_dir) in line:
+            found.append(line)
+    return found
 
 
 def test_unreachable_engine_fails_before_training(tmp_path):
