@@ -8,6 +8,7 @@ rollout node joins across hosts; the requeue run keeps the default disk sync."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import subprocess
 
@@ -127,10 +128,18 @@ def test_distributed_weight_sync_crosses_hosts(plain_run):
     assert newest >= TINY_OVERRIDES["run"]["num_steps"] - 1 - limit
     assert max(r["oldest_version"] for r in trained) >= newest - limit >= 2
     (train0, train1), rollout = layout_addrs(info)
-    stores = {s.local for s in monitor.sockets if "train_entry" in s.cmd and s.state == "LISTEN"}
-    dialled = {s.remote for s in monitor.sockets if "serve-local" in s.cmd and s.state == "ESTABLISHED"
-               and s.local[0] == rollout and s.remote in stores}
-    assert {addr for addr, _ in dialled} == {train0, train1}, (stores, dialled)
+    addr_of = node_addrs()
+
+    def reached_at(s):  # torch's TCPStore listens on every address: the engine reaches it at its node's
+        wildcard = ipaddress.ip_address(s.local[0]).is_unspecified
+        return (addr_of[s.node] if wildcard else s.local[0], s.local[1]), wildcard
+
+    listening = dict(reached_at(s) for s in monitor.sockets if "train_entry" in s.cmd and s.state == "LISTEN")
+    dialled = {s.remote: listening[s.remote] for s in monitor.sockets if "serve-local" in s.cmd
+               and s.state == "ESTABLISHED" and s.local[0] == rollout and s.remote in listening}
+    stores = {addr for (addr, _), wildcard in dialled.items() if wildcard}
+    assert stores == {train0, train1}, (listening, dialled)  # the senders' group stores, one per trainer node
+    assert {addr for addr, _ in dialled} == {train0, train1}
     assert not loopback_uses(monitor.sockets)
 
 
