@@ -175,6 +175,6 @@ def set_node_ephemeral_range(node: str, ephemeral: tuple[int, int]) -> None:
     """Set the range inside the node's namespace only (never on the host: the loopback fallback refuses)."""
     ns = node_netns(node)
     assert ns is not None, f"{node} has no namespace of its own: changing the range would change the host's"
-    subprocess.run(["nsenter", f"--net={ns}", "--", "sh", "-c", f'echo "{ephemeral[0]} {ephemeral[1]}" > {EPHEMERAL_SYSCTL}'],
-                   check=True, timeout=60)
+    write = f'echo "{ephemeral[0]} {ephemeral[1]}" > {EPHEMERAL_SYSCTL}'
+    subprocess.run(["nsenter", f"--net={ns}", "--", "sh", "-c", write], check=True, timeout=60)
     assert node_ephemeral_range(node) == ephemeral

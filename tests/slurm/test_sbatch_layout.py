@@ -155,6 +155,9 @@ def test_engines_generate_with_the_trainers_weights_from_the_start(plain_run):
         "rollout.engine=sglang the trainer must push them (update_weights_from_disk) after the health check")
 
 
+# Three runs of the job, each starting 4 ranks and an engine: ~10 min on 2 idle cores, past the default
+# 900 s per test on a loaded box (measured 900+ s at load average 35, killed one step before the end).
+@pytest.mark.timeout(1800)
 def test_time_limit_then_preemption_resume_exactly_once(tmp_path, engine_dir, jobs):
     """Run 0 gets the time-limit signal (SIGUSR1 to the batch script, as --signal=B:USR1 sends it):
     the trainer checkpoints, exits and the job requeues itself. Run 1 is requeued from outside
