@@ -8,7 +8,13 @@ sglang-router. The trainer reaches them over HTTP through ``--set rollout.*`` ov
 
 Ports come from the job id so that jobs sharing a host (the emulated cluster, or
 ``--overlap``/oversubscribed nodes) never collide: job ``j`` owns
-``[port_base(j), port_base(j) + PORTS_PER_JOB)``. Everything here is pure (no Slurm calls).
+``[port_base(j, eph), port_base(j, eph) + PORTS_PER_JOB)``, one of the blocks of
+``PORTS_PER_JOB`` ports in ``[PORT_RANGE_START, 65536)`` that lie outside the node's ephemeral
+port range ``eph`` (``net.ipv4.ip_local_port_range``, read on the node at launch): the kernel
+hands ports of that range to every outgoing connection (and to ``bind(port=0)``), so a server
+port inside it can be taken by any client socket on the node. With Linux's default range
+32768-60999 there are 85 blocks (20000-32599 and 61000-65399). Everything here is pure (no
+Slurm calls, no /proc reads).
 """
 
 from __future__ import annotations
@@ -19,9 +25,9 @@ from typing import Literal
 
 cfg = dataclass(kw_only=True, slots=True)
 
-PORT_RANGE_START = 20000
+PORT_RANGE_START = 20000  # above the well-known and registered services a cluster node usually runs
+PORT_RANGE_END = 65536
 PORTS_PER_JOB = 200
-NUM_PORT_SLOTS = 200  # 20000 + 200 * 200 = 60000 stays below the ephemeral range
 PROMETHEUS_PORT_OFFSET = PORTS_PER_JOB - 3  # the router's metrics port (its default 29000 would collide)
 MASTER_PORT_OFFSET = PORTS_PER_JOB - 2
 ROUTER_PORT_OFFSET = PORTS_PER_JOB - 1
@@ -132,9 +138,25 @@ def check_plan(plan: LaunchPlan) -> None:
         raise ValueError("invalid launch plan:\n  " + "\n  ".join(errors))
 
 
-def port_base(job_id: int) -> int:
-    """First port of the block a job owns (same block on every requeue of the job)."""
-    return PORT_RANGE_START + (job_id % NUM_PORT_SLOTS) * PORTS_PER_JOB
+def port_blocks(ephemeral: tuple[int, int]) -> list[int]:
+    """First ports of the job blocks in ``[PORT_RANGE_START, PORT_RANGE_END)`` that do not meet the
+    ephemeral range ``(low, high)`` (both inclusive, as the sysctl gives them), in ascending order."""
+    low, high = ephemeral
+    free = [(PORT_RANGE_START, min(low, PORT_RANGE_END)), (max(high + 1, PORT_RANGE_START), PORT_RANGE_END)]
+    return [b for start, end in free for b in range(start, end - PORTS_PER_JOB + 1, PORTS_PER_JOB)]
+
+
+def port_base(job_id: int, ephemeral: tuple[int, int]) -> int:
+    """First port of the block a job owns (same block on every requeue of the job); ``ephemeral`` is the
+    node's ``net.ipv4.ip_local_port_range``. ValueError when no block fits outside it."""
+    blocks = port_blocks(ephemeral)
+    if not blocks:
+        low, high = ephemeral
+        raise ValueError(
+            f"no block of {PORTS_PER_JOB} ports in {PORT_RANGE_START}-{PORT_RANGE_END - 1} lies outside this node's "
+            f"ephemeral port range {low}-{high} (net.ipv4.ip_local_port_range), where the kernel picks client "
+            f"ports: narrow it on every node, e.g. `sysctl -w net.ipv4.ip_local_port_range=\"32768 60999\"`")
+    return blocks[job_id % len(blocks)]
 
 
 def engine_endpoints(rollout_addrs: list[str], base: int, per_node: int) -> list[tuple[str, int]]:

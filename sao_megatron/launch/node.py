@@ -83,9 +83,13 @@ def allocation_from_slurm(plan: LaunchPlan, env: dict[str, str] | None = None) -
         raise ValueError(f"the job has {len(names)} nodes but the layout needs {needed}")
     addrs = node_addresses(names[:needed])
     job_id = int(env["SLURM_JOB_ID"])
+    # Every node reads its own range: they agree when the nodes share the sysctl (one image).
+    ephemeral = network.ephemeral_port_range()
+    base = lp.port_base(job_id, ephemeral)
+    log.info("job %d: ports %d-%d (ephemeral range %d-%d)", job_id, base, base + lp.PORTS_PER_JOB - 1, *ephemeral)
     return Allocation(job_id=job_id, restart=int(env.get("SLURM_RESTART_COUNT", "0")),
                       train_addrs=addrs[:plan.nodes_train],
-                      rollout_addrs=addrs[plan.nodes_train:needed], port_base=lp.port_base(job_id))
+                      rollout_addrs=addrs[plan.nodes_train:needed], port_base=base)
 
 
 def endpoints(plan: LaunchPlan, alloc: Allocation) -> tuple[list[str], str | None]:

@@ -289,8 +289,11 @@ def build_weight_sync(rollout_cfg, *, client, run_dir: str | Path, template_dir:
         if not collective:
             raise ValueError("rollout.weight_sync=distributed is called on every trainer rank (each owner sends "
                              "its own tensors): build it with collective=True")
+        # CPU trainers (the embedded engine, or embedded servers behind rollout.engine=sglang on CPU
+        # Slurm nodes) send over gloo; NCCL needs CUDA tensors on both ends.
+        gpu = rollout_cfg.engine != "embedded" and torch.cuda.is_available()
         return DistributedWeightSync(
-            backend="gloo" if rollout_cfg.engine == "embedded" else "nccl",
+            backend="nccl" if gpu else "gloo",
             bucket_bytes=rollout_cfg.weight_sync_bucket_mb << 20, timeout_s=rollout_cfg.weight_sync_timeout_s,
             api_key=rollout_cfg.api_key, verify=rollout_cfg.weight_sync_verify, world_group=world_group,
             strict_names=strict)

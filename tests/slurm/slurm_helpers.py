@@ -55,7 +55,8 @@ MULTIHOST_PARALLEL = {"tensor_model_parallel_size": 2, "sequence_parallel": True
 
 
 def write_multihost_config(path: pathlib.Path, **sections: dict) -> pathlib.Path:
-    return write_tiny_config(path, parallel=MULTIHOST_PARALLEL, **sections)
+    parallel = {**MULTIHOST_PARALLEL, **sections.pop("parallel", {})}
+    return write_tiny_config(path, parallel=parallel, **sections)
 
 
 def submit_multihost(run_dir: pathlib.Path, config: pathlib.Path, env: dict[str, str] | None = None) -> str:
@@ -151,3 +152,29 @@ def assert_exactly_once(run_dir: pathlib.Path, trainer_state: dict) -> None:
     lost = set(dispatched) - set(trained) - set(owed)
     assert not lost, f"prompts handed out but never trained nor re-queued: {sorted(lost)[:10]}"
     assert set(trained) | set(owed) == set(dispatched)
+
+
+EPHEMERAL_SYSCTL = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def node_netns(node: str) -> pathlib.Path | None:
+    """The network namespace of an emulated node (None in the loopback fallback: the host's network)."""
+    path = pathlib.Path("/run/netns") / f"sao-{node}"
+    return path if path.exists() else None
+
+
+def node_ephemeral_range(node: str) -> tuple[int, int]:
+    """net.ipv4.ip_local_port_range as processes on ``node`` see it (it is per network namespace)."""
+    ns = node_netns(node)
+    cmd = ["nsenter", f"--net={ns}", "--", "cat", EPHEMERAL_SYSCTL] if ns else ["cat", EPHEMERAL_SYSCTL]
+    low, high = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    return int(low), int(high)
+
+
+def set_node_ephemeral_range(node: str, ephemeral: tuple[int, int]) -> None:
+    """Set the range inside the node's namespace only (never on the host: the loopback fallback refuses)."""
+    ns = node_netns(node)
+    assert ns is not None, f"{node} has no namespace of its own: changing the range would change the host's"
+    write = f'echo "{ephemeral[0]} {ephemeral[1]}" > {EPHEMERAL_SYSCTL}'
+    subprocess.run(["nsenter", f"--net={ns}", "--", "sh", "-c", write], check=True, timeout=60)
+    assert node_ephemeral_range(node) == ephemeral

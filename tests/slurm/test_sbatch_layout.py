@@ -1,20 +1,29 @@
 """slurm/sao_rl.sbatch on the emulated cluster, each node with its own address: 2 trainer nodes
 (torchrun, 2 ranks each: TP2 inside a node x DP2 across nodes, gloo between them) + 1 rollout node
-(embedded engine + sglang-router)."""
+(embedded engine + sglang-router).
+
+The plain run syncs weights with ``rollout.weight_sync=distributed`` and EP2 (the experts' second
+EP rank lives on trainer node 1), so both trainer nodes host update groups that the engine on the
+rollout node joins across hosts; the requeue run keeps the default disk sync."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import subprocess
 
 import pytest
 
 from slurm_helpers import (FINAL_STATES, TINY_OVERRIDES, assert_exactly_once, assert_run_complete, job_nodes,
-                           latest_checkpoint, node_addrs, submit_multihost, wait_for, wait_for_state,
+                           latest_checkpoint, node_addrs, read_jsonl, submit_multihost, wait_for, wait_for_state,
                            write_multihost_config)
 from sockets import SocketMonitor, loopback_uses
 
 pytestmark = pytest.mark.slurm
+
+
+# EP2 over the DP dimension: EP rank 1 (ranks 2-3) is on trainer node 1 and sends its experts itself.
+PLAIN_PARALLEL = {"expert_model_parallel_size": 2}
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +32,8 @@ def plain_run(tmp_path_factory, slurm_cluster):
     every node while it runs: (run dir, job id, info, monitor)."""
     root = tmp_path_factory.mktemp("plain")
     run_dir = root / "run"
-    job_id = submit_multihost(run_dir, write_multihost_config(root / "tiny.yaml"))
+    config = write_multihost_config(root / "tiny.yaml", parallel=PLAIN_PARALLEL, rollout={"weight_sync": "distributed"})
+    job_id = submit_multihost(run_dir, config)
     try:
         with SocketMonitor([job_id]) as monitor:
             info = wait_for_state(job_id, FINAL_STATES, timeout_s=900)
@@ -54,9 +64,9 @@ def test_tiny_cpu_job_completes_on_three_nodes(plain_run):
     for node in (0, 1):
         log = (run_dir / "logs" / f"train-{job_id}-{node}.log").read_text()
         assert f"--master-addr={train0} " in log and f"--local-addr={(train0, train1)[node]} " in log
-        # TP inside the node, DP across the nodes: node 1 holds DP rank 1 of both TP ranks.
-        assert sorted(re.findall(r"tp (\d)/2 pp 0/1 ep 0/1 etp \d/2 dp (\d)/2", log)) == [("0", str(node)),
-                                                                                           ("1", str(node))]
+        # TP inside the node, DP (and EP) across the nodes: node 1 holds DP rank 1 of both TP ranks.
+        assert sorted(re.findall(rf"tp (\d)/2 pp 0/1 ep {node}/2 etp \d/2 dp (\d)/2", log)) == [("0", str(node)),
+                                                                                                  ("1", str(node))]
     rollout_log = (run_dir / "logs" / f"rollout-{job_id}-0.log").read_text()
     assert "serve-local --model-dir " + str(run_dir / "launch" / "engine_init") in rollout_log
 
@@ -97,6 +107,42 @@ def test_no_component_listens_on_or_dials_loopback(plain_run):
             assert env == {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface}, (node, cmd)
 
 
+def test_distributed_weight_sync_crosses_hosts(plain_run):
+    """Both trainer nodes send (EP rank 0 on node 0, EP rank 1 on node 1), each from a TCP store it hosts
+    on its own node address, which the engine on the rollout node dials; every push reaches the engine,
+    the first one is verified by checksums, the engine's weight version advances with the trainer's
+    (the versions it stamps on generated tokens), and no trained sample is staler than the limit."""
+    run_dir, job_id, info, monitor = plain_run
+    assert info["JobState"] == "COMPLETED", (run_dir / f"slurm-{job_id}.out").read_text()
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "weight_sync/num_senders" in r]
+    assert len(rows) >= TINY_OVERRIDES["run"]["num_steps"], f"{len(rows)} distributed pushes logged"
+    assert [r["weight_sync/verified"] for r in rows[:2]] == [1.0, 0.0]  # a mismatch would have stopped the run
+    for r in rows:
+        assert r["weight_sync/num_senders"] == 2 and r["weight_sync/failed_engines"] == 0, r
+        assert r["weight_sync/bytes"] == r["weight_sync/engine_bytes"] > 0, r  # one engine: each byte once
+    limit = 1  # configs/experiments/tiny_cpu.yaml scheduler.max_staleness
+    trained = [r for r in read_jsonl(run_dir / "audit.jsonl") if r.get("phase") != "sft"]
+    assert all(0 <= r["version"] - r["oldest_version"] <= limit for r in trained), trained
+    # Only version 0 reaches the engine from disk (its start weights): later versions came over the groups.
+    newest = max(r["version"] for r in trained)
+    assert newest >= TINY_OVERRIDES["run"]["num_steps"] - 1 - limit
+    assert max(r["oldest_version"] for r in trained) >= newest - limit >= 2
+    (train0, train1), rollout = layout_addrs(info)
+    addr_of = node_addrs()
+
+    def reached_at(s):  # torch's TCPStore listens on every address: the engine reaches it at its node's
+        wildcard = ipaddress.ip_address(s.local[0]).is_unspecified
+        return (addr_of[s.node] if wildcard else s.local[0], s.local[1]), wildcard
+
+    listening = dict(reached_at(s) for s in monitor.sockets if "train_entry" in s.cmd and s.state == "LISTEN")
+    dialled = {s.remote: listening[s.remote] for s in monitor.sockets if "serve-local" in s.cmd
+               and s.state == "ESTABLISHED" and s.local[0] == rollout and s.remote in listening}
+    stores = {addr for (addr, _), wildcard in dialled.items() if wildcard}
+    assert stores == {train0, train1}, (listening, dialled)  # the senders' group stores, one per trainer node
+    assert {addr for addr, _ in dialled} == {train0, train1}
+    assert not loopback_uses(monitor.sockets)
+
+
 def test_engines_generate_with_the_trainers_weights_from_the_start(plain_run):
     """Engines on rollout nodes start from their own weights (here random ones); the trainer must load
     its version-0 export into them before the first rollout, or version-0 samples come from another
@@ -109,6 +155,9 @@ def test_engines_generate_with_the_trainers_weights_from_the_start(plain_run):
         "rollout.engine=sglang the trainer must push them (update_weights_from_disk) after the health check")
 
 
+# Three runs of the job, each starting 4 ranks and an engine: ~10 min on 2 idle cores, past the default
+# 900 s per test on a loaded box (measured 900+ s at load average 35, killed one step before the end).
+@pytest.mark.timeout(1800)
 def test_time_limit_then_preemption_resume_exactly_once(tmp_path, engine_dir, jobs):
     """Run 0 gets the time-limit signal (SIGUSR1 to the batch script, as --signal=B:USR1 sends it):
     the trainer checkpoints, exits and the job requeues itself. Run 1 is requeued from outside

@@ -78,3 +78,15 @@ def test_iface_flag_reaches_the_plan():
     args = parser.parse_args(["--config", "/c.yaml", "--run-dir", "/r", "--iface", "ib0"])
     assert nd.plan_from_args(args).iface == "ib0"
     assert nd.plan_from_args(parser.parse_args(["--config", "/c.yaml", "--run-dir", "/r"])).iface == "auto"
+
+
+def test_ephemeral_port_range_is_read_from_the_sysctl_file(tmp_path):
+    sysctl = tmp_path / "ip_local_port_range"
+    sysctl.write_text("32768\t60999\n")  # the kernel's format
+    assert network.ephemeral_port_range(str(sysctl)) == (32768, 60999)
+    sysctl.write_text("61000 1024\n")
+    assert network.ephemeral_port_range(str(sysctl)) == (1024, 61000)
+    sysctl.write_text("32768\n")
+    with pytest.raises(ValueError, match="two port numbers"):
+        network.ephemeral_port_range(str(sysctl))
+    assert network.ephemeral_port_range(str(tmp_path / "absent")) == network.LINUX_DEFAULT_EPHEMERAL

@@ -1,0 +1,26 @@
+"""Which collective backend rollout.weight_sync=distributed sends with (rollout/weight_sync.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sao_megatron.config.schema import RolloutConfig
+from sao_megatron.rollout.weight_sync import build_weight_sync
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(("engine", "cuda", "backend"), [
+    ("embedded", False, "gloo"), ("embedded", True, "gloo"),
+    # CPU Slurm nodes: embedded servers behind rollout.engine=sglang (the launcher's override) need gloo
+    ("sglang", False, "gloo"), ("sglang", True, "nccl"),
+])
+def test_backend_follows_the_trainers_device(monkeypatch, engine, cuda, backend):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    sync = build_weight_sync(RolloutConfig(engine=engine, weight_sync="distributed"), client=None, run_dir="/r",
+                             template_dir=None)
+    try:
+        assert sync.backend == backend
+    finally:
+        sync.close()
