@@ -23,13 +23,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sao_megatron.net import PORTS_PER_JOB
+
 cfg = dataclass(kw_only=True, slots=True)
 
-PORT_RANGE_START = 20000  # above the well-known and registered services a cluster node usually runs
-PORT_RANGE_END = 65536
-PORTS_PER_JOB = 200
 PROMETHEUS_PORT_OFFSET = PORTS_PER_JOB - 3  # the router's metrics port (its default 29000 would collide)
-MASTER_PORT_OFFSET = PORTS_PER_JOB - 2
 ROUTER_PORT_OFFSET = PORTS_PER_JOB - 1
 MAX_ENGINES = PORTS_PER_JOB - 3
 
@@ -136,27 +134,6 @@ def check_plan(plan: LaunchPlan) -> None:
                       f"({plan.time_min} min): raise --time or lower --signal-lead")
     if errors:
         raise ValueError("invalid launch plan:\n  " + "\n  ".join(errors))
-
-
-def port_blocks(ephemeral: tuple[int, int]) -> list[int]:
-    """First ports of the job blocks in ``[PORT_RANGE_START, PORT_RANGE_END)`` that do not meet the
-    ephemeral range ``(low, high)`` (both inclusive, as the sysctl gives them), in ascending order."""
-    low, high = ephemeral
-    free = [(PORT_RANGE_START, min(low, PORT_RANGE_END)), (max(high + 1, PORT_RANGE_START), PORT_RANGE_END)]
-    return [b for start, end in free for b in range(start, end - PORTS_PER_JOB + 1, PORTS_PER_JOB)]
-
-
-def port_base(job_id: int, ephemeral: tuple[int, int]) -> int:
-    """First port of the block a job owns (same block on every requeue of the job); ``ephemeral`` is the
-    node's ``net.ipv4.ip_local_port_range``. ValueError when no block fits outside it."""
-    blocks = port_blocks(ephemeral)
-    if not blocks:
-        low, high = ephemeral
-        raise ValueError(
-            f"no block of {PORTS_PER_JOB} ports in {PORT_RANGE_START}-{PORT_RANGE_END - 1} lies outside this node's "
-            f"ephemeral port range {low}-{high} (net.ipv4.ip_local_port_range), where the kernel picks client "
-            f"ports: narrow it on every node, e.g. `sysctl -w net.ipv4.ip_local_port_range=\"32768 60999\"`")
-    return blocks[job_id % len(blocks)]
 
 
 def engine_endpoints(rollout_addrs: list[str], base: int, per_node: int) -> list[tuple[str, int]]:

@@ -78,29 +78,6 @@ def check_reachable(addrs: list[str]) -> None:
                          f"each node's own address")
 
 
-EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-LINUX_DEFAULT_EPHEMERAL = (32768, 60999)
-
-
-def ephemeral_port_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
-    """This node's ephemeral port range ``(low, high)``, inclusive (per network namespace on Linux).
-
-    Without the file (not Linux) Linux's default is assumed, with a warning; a file that does not
-    hold two ports is a ValueError.
-    """
-    try:
-        with open(path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        log.warning("%s not found: assuming the ephemeral port range %d-%d", path, *LINUX_DEFAULT_EPHEMERAL)
-        return LINUX_DEFAULT_EPHEMERAL
-    fields = text.split()
-    if len(fields) != 2 or not all(f.isdigit() for f in fields):
-        raise ValueError(f"{path} should hold two port numbers, got {text.strip()!r}")
-    low, high = int(fields[0]), int(fields[1])
-    return (low, high) if low <= high else (high, low)
-
-
 def iface_env(iface: str) -> dict[str, str]:
     """Environment for every process a node runner starts (torchrun and its ranks, engines)."""
     return {name: iface for name in IFACE_VARIABLES}

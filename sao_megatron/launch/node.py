@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import httpx
 import psutil
 
+from sao_megatron import net
 from sao_megatron.launch import layout as lp
 from sao_megatron.launch import network
 from sao_megatron.launch.layout import LaunchPlan
@@ -84,9 +85,9 @@ def allocation_from_slurm(plan: LaunchPlan, env: dict[str, str] | None = None) -
     addrs = node_addresses(names[:needed])
     job_id = int(env["SLURM_JOB_ID"])
     # Every node reads its own range: they agree when the nodes share the sysctl (one image).
-    ephemeral = network.ephemeral_port_range()
-    base = lp.port_base(job_id, ephemeral)
-    log.info("job %d: ports %d-%d (ephemeral range %d-%d)", job_id, base, base + lp.PORTS_PER_JOB - 1, *ephemeral)
+    ephemeral = net.ephemeral_port_range()
+    base = net.port_base(job_id, ephemeral)
+    log.info("job %d: ports %d-%d (ephemeral range %d-%d)", job_id, base, base + net.PORTS_PER_JOB - 1, *ephemeral)
     return Allocation(job_id=job_id, restart=int(env.get("SLURM_RESTART_COUNT", "0")),
                       train_addrs=addrs[:plan.nodes_train],
                       rollout_addrs=addrs[plan.nodes_train:needed], port_base=base)
@@ -140,7 +141,7 @@ def run_trainer_node(plan: LaunchPlan, alloc: Allocation, node_rank: int, *,
     """
     engine_urls, router_url = endpoints(plan, alloc)
     argv = lp.trainer_argv(plan, python=sys.executable, node_rank=node_rank, master_addr=alloc.train_addrs[0],
-                           master_port=alloc.port_base + lp.MASTER_PORT_OFFSET,
+                           master_port=alloc.port_base + net.MASTER_PORT_OFFSET,
                            layout_overrides=lp.rollout_overrides(engine_urls, router_url),
                            wait_for=engine_urls + ([router_url] if router_url else []),
                            local_addr=alloc.train_addrs[node_rank])

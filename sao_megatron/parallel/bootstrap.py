@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from sao_megatron.config.schema import ParallelConfig
 from sao_megatron.errors import SaoError
+from sao_megatron import net
 from sao_megatron.net import free_port
 
 if TYPE_CHECKING:
@@ -93,8 +94,11 @@ def expand_first_host(nodelist: str) -> str:
 
 
 def slurm_port(job_id: str) -> int:
-    """A job-specific port so concurrent jobs on one node do not collide (override with MASTER_PORT)."""
-    return 15000 + int(re.sub(r"\D", "", job_id) or 0) % 20000
+    """The master port of a job launched by srun without the node runner (which sets MASTER_PORT):
+    the job's own port block, outside this node's ephemeral range, so concurrent jobs do not collide
+    and no client socket the kernel handed out can hold it."""
+    job = int(re.sub(r"\D", "", job_id) or 0)
+    return net.port_base(job, net.ephemeral_port_range()) + net.MASTER_PORT_OFFSET
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from sao_megatron.launch.layout import PORTS_PER_JOB, port_base
+from sao_megatron.net import PORTS_PER_JOB, port_base
 from slurm_helpers import (FINAL_STATES, assert_run_complete, job_info, job_nodes, node_ephemeral_range, node_netns,
                            set_node_ephemeral_range, submit_sbatch, wait_for, wait_for_state, write_tiny_config)
 from sockets import SocketMonitor, loopback_uses

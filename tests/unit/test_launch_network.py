@@ -7,6 +7,7 @@ import socket
 import psutil
 import pytest
 
+from sao_megatron import net
 from sao_megatron.launch import network
 from sao_megatron.launch import node as nd
 from sao_megatron.launch.layout import LaunchPlan
@@ -83,10 +84,10 @@ def test_iface_flag_reaches_the_plan():
 def test_ephemeral_port_range_is_read_from_the_sysctl_file(tmp_path):
     sysctl = tmp_path / "ip_local_port_range"
     sysctl.write_text("32768\t60999\n")  # the kernel's format
-    assert network.ephemeral_port_range(str(sysctl)) == (32768, 60999)
+    assert net.ephemeral_port_range(str(sysctl)) == (32768, 60999)
     sysctl.write_text("61000 1024\n")
-    assert network.ephemeral_port_range(str(sysctl)) == (1024, 61000)
+    assert net.ephemeral_port_range(str(sysctl)) == (1024, 61000)
     sysctl.write_text("32768\n")
     with pytest.raises(ValueError, match="two port numbers"):
-        network.ephemeral_port_range(str(sysctl))
-    assert network.ephemeral_port_range(str(tmp_path / "absent")) == network.LINUX_DEFAULT_EPHEMERAL
+        net.ephemeral_port_range(str(sysctl))
+    assert net.ephemeral_port_range(str(tmp_path / "absent")) == net.LINUX_DEFAULT_EPHEMERAL

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from sao_megatron.launch import node as nd
+from sao_megatron import net
 from sao_megatron.launch import layout as lp
 from sao_megatron.launch.layout import LaunchPlan
 
@@ -51,7 +52,7 @@ def test_wait_healthy_names_the_url_that_never_answered(health_server):
 def test_endpoints_of_an_allocation():
     plan = LaunchPlan(config="/c.yaml", run_dir="/r", nodes_train=2, nodes_rollout=2, gpus_per_node=8,
                       gpus_per_engine=4)
-    base = lp.port_base(7, (32768, 60999))
+    base = net.port_base(7, (32768, 60999))
     alloc = nd.Allocation(job_id=7, restart=0, train_addrs=["t0", "t1"], rollout_addrs=["r0", "r1"], port_base=base)
     urls, router = nd.endpoints(plan, alloc)
     assert urls == [f"http://r0:{base}", f"http://r0:{base + 1}", f"http://r1:{base + 2}", f"http://r1:{base + 3}"]

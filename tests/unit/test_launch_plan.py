@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from sao_megatron.config import ExperimentConfig, apply_overrides, from_dict
+from sao_megatron import net
 from sao_megatron.launch import layout as lp
 from sao_megatron.launch.cli import parse_time_min
 from sao_megatron.launch.layout import LaunchPlan
@@ -24,12 +25,12 @@ def reference_blocks(ephemeral: tuple[int, int]) -> list[int]:
     """Walk the ports one by one and cut a block from every run of PORTS_PER_JOB free ones."""
     low, high = ephemeral
     blocks, run = [], []
-    for port in range(lp.PORT_RANGE_START, 65536):
+    for port in range(net.PORT_RANGE_START, 65536):
         if low <= port <= high:
             run = []
             continue
         run.append(port)
-        if len(run) == lp.PORTS_PER_JOB:
+        if len(run) == net.PORTS_PER_JOB:
             blocks.append(run[0])
             run = []
     return blocks
@@ -38,36 +39,36 @@ def reference_blocks(ephemeral: tuple[int, int]) -> list[int]:
 @pytest.mark.parametrize("ephemeral", [(32768, 60999), (49152, 65535), (10000, 30000), (1024, 20001),
                                        (40000, 40000), (61001, 61100)])
 def test_port_blocks_avoid_the_ephemeral_range(ephemeral):
-    blocks = lp.port_blocks(ephemeral)
+    blocks = net.port_blocks(ephemeral)
     assert blocks == reference_blocks(ephemeral)
     low, high = ephemeral
     for b in blocks:  # every port of every block is a server port outside the kernel's client range
-        assert lp.PORT_RANGE_START <= b and b + lp.PORTS_PER_JOB <= 65536
-        assert b + lp.PORTS_PER_JOB - 1 < low or b > high
-    assert all(b - a >= lp.PORTS_PER_JOB for a, b in itertools.pairwise(blocks))  # disjoint
+        assert net.PORT_RANGE_START <= b and b + net.PORTS_PER_JOB <= 65536
+        assert b + net.PORTS_PER_JOB - 1 < low or b > high
+    assert all(b - a >= net.PORTS_PER_JOB for a, b in itertools.pairwise(blocks))  # disjoint
 
 
 def test_linux_default_range_leaves_85_blocks_on_both_sides():
-    blocks = lp.port_blocks((32768, 60999))
+    blocks = net.port_blocks((32768, 60999))
     assert len(blocks) == 85 and blocks[0] == 20000 and blocks[62] == 32400 and blocks[63] == 61000
     assert blocks[-1] == 65200
 
 
 def test_port_base_is_stable_and_differs_for_consecutive_jobs():
     ephemeral = (32768, 60999)
-    n = len(lp.port_blocks(ephemeral))
-    bases = {j: lp.port_base(j, ephemeral) for j in range(15591800, 15591800 + 2 * n)}
+    n = len(net.port_blocks(ephemeral))
+    bases = {j: net.port_base(j, ephemeral) for j in range(15591800, 15591800 + 2 * n)}
     for j, b in bases.items():
-        assert lp.port_base(j, ephemeral) == b  # a requeued job gets the same block
-        assert b in lp.port_blocks(ephemeral)
+        assert net.port_base(j, ephemeral) == b  # a requeued job gets the same block
+        assert b in net.port_blocks(ephemeral)
     for a, b in itertools.pairwise(sorted(bases)[:n]):  # n consecutive job ids never share a port
-        assert abs(bases[a] - bases[b]) >= lp.PORTS_PER_JOB
+        assert abs(bases[a] - bases[b]) >= net.PORTS_PER_JOB
 
 
 @pytest.mark.parametrize("ephemeral", [(1024, 65535), (20000, 65535), (19000, 65400)])
 def test_no_room_outside_the_ephemeral_range_is_a_clear_error(ephemeral):
     with pytest.raises(ValueError, match=r"ip_local_port_range.*sysctl -w"):
-        lp.port_base(1, ephemeral)
+        net.port_base(1, ephemeral)
 
 
 def test_engine_endpoints_match_nested_loop_reference():
@@ -83,7 +84,7 @@ def test_engine_endpoints_match_nested_loop_reference():
     # emulated nodes share one address: every engine still needs its own port
     same = lp.engine_endpoints(["127.0.0.1"] * 3, 30000, per_node=2)
     assert len({p for _, p in same}) == 6
-    assert max(p for _, p in same) < 30000 + lp.MASTER_PORT_OFFSET
+    assert max(p for _, p in same) < 30000 + net.MASTER_PORT_OFFSET
 
 
 @pytest.mark.parametrize("kw,expected", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from sao_megatron import net
 from sao_megatron.config.schema import ParallelConfig
 from sao_megatron.parallel.bootstrap import (
     check_world_size,
@@ -28,7 +29,12 @@ def test_slurm_variables_with_node_list(monkeypatch):
     env = launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
                       "SLURM_JOB_NODELIST": "gpu[012-015,020],cpu1", "SLURM_JOB_ID": "4242"})
     assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.source) == (5, 8, 1, "gpu012", "slurm")
-    assert env.master_port == slurm_port("4242") == 15000 + 4242
+    assert env.master_port == slurm_port("4242")
+    low, high = net.ephemeral_port_range()
+    assert not low <= env.master_port <= high  # never a port the kernel may hand to a client socket
+    block = net.port_base(4242, (low, high))
+    assert block <= env.master_port < block + net.PORTS_PER_JOB  # inside the job's own port block
+    assert slurm_port("4243") != env.master_port  # the next job does not collide
 
 
 def test_slurm_master_port_override():
