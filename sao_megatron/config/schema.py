@@ -301,6 +301,9 @@ class RolloutConfig:
     """Bound on every weight-sync call and group operation: a dead engine fails the sync, never hangs it."""
     weight_sync_verify: bool = True
     """Compare the engines' /weights_checker checksums with the export after the first sync of each layout."""
+    engine_weight_format: Literal["unquantized", "fp8_block"] = "unquantized"
+    """What the weight sync sends: the trainer's weights as they are (bf16 on GPUs), or, for SGLang engines
+    serving a block-FP8 checkpoint (DeepSeek-V3, GLM-5-FP8), float8 weights + 128x128 ``weight_scale_inv``."""
     return_routed_experts: bool = False
     """Ask engines for routed expert ids (routing replay)."""
 
