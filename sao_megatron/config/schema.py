@@ -19,7 +19,7 @@ cfg = dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """Architecture of the actor (and the critic trunk); Megatron field names."""
 
-    family: Literal["qwen3_moe", "glm4_moe", "deepseek_v3", "glm_moe_dsa"] = "qwen3_moe"
+    family: Literal["qwen3_moe", "glm4_moe", "deepseek_v3", "glm_moe_dsa", "deepseek_v32"] = "qwen3_moe"
     """Model family: selects the HF<->Megatron mapping and family defaults."""
     num_layers: int = 2
     """Number of transformer layers."""

@@ -18,10 +18,14 @@ import torch
 from sao_megatron.config import ParallelConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "convert_scripts"))
-from mla_fixtures import SHAPES, write_hf_dir  # noqa: E402
+from mla_fixtures import SHAPES, write_hf_dir, write_hub_dir  # noqa: E402
 
 pytestmark = pytest.mark.component
 NAME, BATCH, SEQ = "glm5_shared_idx_mtp", 4, 40
+# DeepSeek-V3.2: the GLM-5 fixture's sizes, an indexer in every layer, half-split indexer rope.
+DSV32 = {k: v for k, v in SHAPES[NAME].items() if k != "indexer_types"} | {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "index_n_heads": 16,
+    "num_nextn_predict_layers": 0}
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +93,38 @@ def test_trainer_and_engine_indexers_select_the_same_keys(ctx, tmp_path):
     tokens = torch.randint(0, 96, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
     mcore, mcore_logits = megatron_selection(hf_dir, ctx, tokens)
     hf, hf_logits = hf_selection(hf_dir, tokens)
-    full_layers = SHAPES[NAME]["indexer_types"].count("full")
+    check_same_selection(mcore, hf, SHAPES[NAME]["indexer_types"].count("full"))
+    assert float((mcore_logits - hf_logits).abs().max()) < 1e-4
+    # teeth: a selection from other tokens differs in most rows
+    assert differing_rows(mcore[0], mcore[0].roll(1, dims=0)) > BATCH * SEQ // 2
+
+
+def test_deepseek_v32_maps_like_glm5_with_half_split_indexer_rope(ctx, tmp_path):
+    """DeepSeek-V3.2 converts with GLM-5's mapping: same logits and top-k sets as transformers."""
+    import dataclasses
+
+    from checkpoints_tools.hf_to_mcore import open_hf
+    from checkpoints_tools.parity import check_parity
+    from sao_megatron.models.builder import build_model_chunks
+    from sao_megatron.models.families import hf_config_from_model
+    from sao_megatron.models.families.sharded import load_hf_weights
+
+    hf_dir = write_hub_dir(DSV32, tmp_path / "hf", seed=0)
+    tokens = torch.randint(0, 96, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+    mcore, mcore_logits = megatron_selection(hf_dir, ctx, tokens)
+    hf, hf_logits = hf_selection(hf_dir, tokens)
+    check_same_selection(mcore, hf, DSV32["num_hidden_layers"])
+    assert float((mcore_logits - hf_logits).abs().max()) < 1e-4
+    src = open_hf(hf_dir, dtype="fp32")
+    assert hf_config_from_model(src.model_cfg)["model_type"] == "deepseek_v32"
+    # teeth: GLM-5's interleaved indexer rope changes the selection and the logits
+    chunks = build_model_chunks(dataclasses.replace(src.model_cfg, dsa_indexer_rope_interleaved=True), ctx)
+    load_hf_weights(chunks, src.wmap, src.ckpt)
+    assert check_parity(hf_dir, chunks, ctx, 96, batch=BATCH, seq_len=SEQ).max_abs_diff > 1e-3
+
+
+def check_same_selection(mcore: list[torch.Tensor], hf: list[torch.Tensor], full_layers: int) -> None:
     assert len(mcore) == len(hf) == full_layers
     for layer, (m, h) in enumerate(zip(mcore, hf)):
         assert m.shape == h.shape == (BATCH, SEQ, SHAPES[NAME]["index_topk"])
         assert differing_rows(m, h) == 0, f"full indexer layer {layer}"
-    assert float((mcore_logits - hf_logits).abs().max()) < 1e-4
-    # teeth: a selection from other tokens differs in most rows
-    assert differing_rows(mcore[0], mcore[0].roll(1, dims=0)) > BATCH * SEQ // 2
