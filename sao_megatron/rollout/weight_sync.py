@@ -284,7 +284,7 @@ def build_weight_sync(rollout_cfg, *, client, run_dir: str | Path, template_dir:
 
 
 class Fp8BlockSync:
-    """A transport whose pushes send block-FP8 weights (``families.fp8.requantize``) for FP8-serving engines."""
+    """A transport whose pushes send block-FP8 weights (``fp8_weights.requantize``) for FP8-serving engines."""
 
     def __init__(self, inner: WeightSync):
         self.inner = inner
@@ -294,7 +294,7 @@ class Fp8BlockSync:
 
     def push(self, owned: NamedTensors, version: int, *, paused: Paused | None = None,
              verify: bool = False) -> dict[str, float]:
-        from sao_megatron.models.families.fp8 import requantize
+        from sao_megatron.rollout.fp8_weights import requantize
 
         return self.inner.push(requantize(owned), version, paused=paused, verify=verify)
 

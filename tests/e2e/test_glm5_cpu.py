@@ -21,11 +21,13 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "experiments" / "tiny_glm5_cpu.yaml"
-SMALL = ["run.num_steps=4", "run.sft_steps=2", "run.sft_batch_size=16", "scheduler.batch_size=8",
+# 30 supervised warm-up steps: from a random init every reward (and so every value target) is 0 and
+# neither critic nor actor would receive a gradient to show what is frozen.
+SMALL = ["run.num_steps=4", "run.sft_steps=30", "scheduler.batch_size=8",
          "scheduler.concurrency=16", "critic.pretrain_steps=1", "checkpoint.save_interval=2",
          "logging.log_interval=1", "data.num_prompts=400"]
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # minutes on 2 cores each
 
 
 def run_cli(*args: str, timeout: int = 900) -> None:
@@ -51,24 +53,24 @@ def test_sao_steps_keep_the_critics_frozen_mla_and_indexer(tmp_path):
     run_cli("train", "--config", str(CONFIG), "--run-dir", str(run_dir), "--resume", "auto", *sets)
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert sorted({m["step"] for m in metrics}) == [0, 1, 2, 3]
-    assert all(m["actor/update_applied"] == 1.0 and isinstance(m["critic/loss"], float) for m in metrics)
+    assert all(m["actor/update_applied"] == 1.0 for m in metrics)
+    assert any(m["critic/loss"] > 0 for m in metrics if m["step"] >= 2)  # the critic had something to learn
     ckpts = run_dir / "checkpoints"
     before = {role: model_tensors(ckpts / "step_00000002" / role, tmp_path) for role in ("critic", "actor")}
     after = {role: model_tensors(ckpts / "step_00000004" / role, tmp_path) for role in ("critic", "actor")}
     critic_b, critic_a = before["critic"], after["critic"]
     assert set(critic_b) == set(critic_a)
-    frozen = [k for k in critic_b if ".self_attention." in k or "embedding" in k or "norm" in k]
-    trained = [k for k in critic_b if ".experts." in k or "value_head" in k]
+    # The critic's default trainables: routed and shared experts, value head (output_layer).
+    trained = {k for k in critic_b if "experts." in k or k.startswith("output_layer.")}
+    frozen = set(critic_b) - trained
     assert any(".core_attention.indexer." in k for k in frozen) and any("linear_kv_down_proj" in k for k in frozen)
-    assert len(trained) >= 3 and not set(frozen) & set(trained)
-    assert [k for k in frozen if not torch.equal(critic_b[k], critic_a[k])] == []
-    assert all(not torch.equal(critic_b[k], critic_a[k]) for k in trained), trained
+    assert len(trained) >= 4
+    assert {k for k in critic_b if not torch.equal(critic_b[k], critic_a[k])} == trained
     actor_changed = [k for k in before["actor"] if ".experts." in k
                      and not torch.equal(before["actor"][k], after["actor"][k])]
     assert actor_changed
 
 
-@pytest.mark.slow
 def test_logprob_parity_gate_on_tiny_glm5(tmp_path):
     run_cli("parity", "--config", str(CONFIG), "--run-dir", str(tmp_path), "--num-prompts", "8",
             "--max-new-tokens", "32", "--tol", "1e-5")

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sao_megatron.models.families.fp8 import (
-    FP8_MAX, BlockFp8Checkpoint, dequantize_blocks, is_fp8_quantized, quantize_blocks, requantize)
+from sao_megatron.models.families.fp8 import BlockFp8Checkpoint, dequantize_blocks
+from sao_megatron.rollout.fp8_weights import FP8_MAX, is_fp8_quantized, quantize_blocks, requantize
 
 pytestmark = pytest.mark.unit
 BLOCK = (16, 16)  # small blocks so tiny weights span several, with ragged edges
