@@ -89,6 +89,13 @@ def test_engine_cache_carries_the_indexer_keys(dirs):
             assert indexer.shape == (1, len(PROMPTS[0]) + 1, SHAPES[GLM5]["index_head_dim"])
         else:
             assert indexer is None
+    # /update_weights_from_disk with a hub checkpoint: its MTP layer is skipped, everything else loads
+    from sao_megatron.rollout.engine.weights import EngineWeights
+
+    named = dict(EngineWeights(runner).read_checkpoint(dirs["glm5_other"]))
+    first_mtp = f"model.layers.{SHAPES[GLM5]['num_hidden_layers']}."
+    assert named and not any(n.startswith(first_mtp) for n in named)
+    assert "model.layers.0.self_attn.indexer.wk.weight" in named
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
