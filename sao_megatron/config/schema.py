@@ -19,7 +19,7 @@ cfg = dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """Architecture of the actor (and the critic trunk); Megatron field names."""
 
-    family: Literal["qwen3_moe", "glm4_moe", "deepseek_v3", "glm_moe_dsa"] = "qwen3_moe"
+    family: Literal["qwen3_moe", "glm4_moe", "deepseek_v3", "glm_moe_dsa", "deepseek_v32"] = "qwen3_moe"
     """Model family: selects the HF<->Megatron mapping and family defaults."""
     num_layers: int = 2
     """Number of transformer layers."""
@@ -307,6 +307,9 @@ class RolloutConfig:
     """Restarts allowed per engine per run (dead or hung, by the process that launched it); 0 never restarts."""
     no_engine_timeout_s: float = 600.0
     """With no healthy engine for this long the run checkpoints and stops with NoEngineError."""
+    engine_weight_format: Literal["unquantized", "fp8_block"] = "unquantized"
+    """What the weight sync sends: the trainer's weights as they are (bf16 on GPUs), or, for SGLang engines
+    serving a block-FP8 checkpoint (DeepSeek-V3, GLM-5-FP8), float8 weights + 128x128 ``weight_scale_inv``."""
 
 
 @cfg

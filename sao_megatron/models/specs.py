@@ -12,6 +12,9 @@ The local spec differs from megatron's ``get_gpt_layer_local_spec`` in two ways:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
@@ -176,6 +179,53 @@ class LatentNorm:
         return LocalNorm(config=config, hidden_size=hidden_size, eps=MLA_LATENT_NORM_EPS)
 
 
+def _latent_eps_norm(norm_cls: type) -> type:
+    """``norm_cls`` built with ``eps=MLA_LATENT_NORM_EPS`` whatever eps megatron passes."""
+    class LatentEpsNorm:
+        def __new__(cls, *args, **kwargs):
+            return norm_cls(*args, **{**kwargs, "eps": MLA_LATENT_NORM_EPS})
+    LatentEpsNorm.__name__ = LatentEpsNorm.__qualname__ = f"LatentEps{norm_cls.__name__}"
+    LatentEpsNorm.wrapped = norm_cls
+    return LatentEpsNorm
+
+
+def _latent_eps_norm_linear(linear_cls: type) -> type:
+    """A fused norm + linear (TE's ``TELayerNormColumnParallelLinear``, which reads its eps from
+    ``config.layernorm_epsilon``) built with a config copy whose ``layernorm_epsilon`` is MLA_LATENT_NORM_EPS."""
+    class LatentEpsNormLinear:
+        def __new__(cls, *args, config: TransformerConfig, **kwargs):
+            latent = copy.copy(config)
+            latent.layernorm_epsilon = MLA_LATENT_NORM_EPS
+            return linear_cls(*args, config=latent, **kwargs)
+    LatentEpsNormLinear.__name__ = LatentEpsNormLinear.__qualname__ = f"LatentEps{linear_cls.__name__}"
+    LatentEpsNormLinear.wrapped = linear_cls
+    return LatentEpsNormLinear
+
+
+def with_latent_norm_eps(block: TransformerBlockSubmodules, config: TransformerConfig) -> TransformerBlockSubmodules:
+    """A copy of an MLA block spec (TE's) whose q/kv latent norms use MLA_LATENT_NORM_EPS.
+
+    Megatron builds them with ``layernorm_epsilon`` (GLM-5: 1e-5), transformers with 1e-6. TE's
+    MLA spec either has separate ``q_layernorm``/``kv_layernorm`` (DSA's absorbed MLA) or, with
+    ``qk_layernorm``, fuses them into ``linear_q_up_proj``/``linear_kv_up_proj`` (norm + linear);
+    both are rebuilt with the latent eps. Every other module is left as megatron made it.
+    """
+    layers = []
+    for layer in block.layer_specs:
+        attn_spec = layer.submodules.self_attention
+        sub = copy.copy(attn_spec.submodules)
+        fused = config.qk_layernorm and sub.kv_layernorm is IdentityOp
+        for name in ("q_layernorm", "kv_layernorm"):
+            if getattr(sub, name) is not IdentityOp:
+                setattr(sub, name, _latent_eps_norm(getattr(sub, name)))
+        for name in ("linear_q_up_proj", "linear_kv_up_proj") if fused else ():
+            if name == "linear_kv_up_proj" or config.q_lora_rank:
+                setattr(sub, name, _latent_eps_norm_linear(getattr(sub, name)))
+        attn = dataclasses.replace(attn_spec, submodules=sub)
+        layers.append(dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attn)))
+    return dataclasses.replace(block, layer_specs=layers)
+
+
 def local_mla_attention_spec(config: TransformerConfig) -> ModuleSpec:
     """MLA self-attention from megatron-core modules (DSA: absorbed MLA + the sparse-attention core).
 
@@ -226,11 +276,12 @@ def latent_decoder_block_spec(config: TransformerConfig, *, use_te: bool, pp_ran
             get_transformer_block_with_experimental_attention_variant_spec,
         )
 
-        return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage=vp_stage,
-                                                                              pp_rank=pp_rank)
+        return with_latent_norm_eps(get_transformer_block_with_experimental_attention_variant_spec(
+            config, vp_stage=vp_stage, pp_rank=pp_rank), config)
     if use_te:
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization=config.normalization,
-                                          vp_stage=vp_stage, pp_rank=pp_rank)
+        return with_latent_norm_eps(get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization=config.normalization, vp_stage=vp_stage,
+            pp_rank=pp_rank), config)
     specs = {0: local_mla_layer_spec(config, moe=False), 1: local_mla_layer_spec(config, moe=True)}
     layers = [specs[kind] for kind in moe_layer_pattern(config)]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)

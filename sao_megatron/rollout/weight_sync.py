@@ -278,6 +278,37 @@ def build_weight_sync(rollout_cfg, *, client, run_dir: str | Path, template_dir:
     ``client``: rank 0's RolloutClient (None on the other ranks). ``collective``: every trainer
     rank calls the sync (required by ``distributed``); False runs a disk sync on rank 0 alone.
     """
+    sync = _build_transport(rollout_cfg, client=client, run_dir=run_dir, template_dir=template_dir,
+                            collective=collective, world_group=world_group)
+    return Fp8BlockSync(sync) if rollout_cfg.engine_weight_format == "fp8_block" else sync
+
+
+class Fp8BlockSync:
+    """A transport whose pushes send block-FP8 weights (``fp8_weights.requantize``) for FP8-serving engines."""
+
+    def __init__(self, inner: WeightSync):
+        self.inner = inner
+
+    def connect(self, engine_urls: list[str] | None, *, is_sender: bool) -> None:
+        self.inner.connect(engine_urls, is_sender=is_sender)
+
+    def push(self, owned: NamedTensors, version: int, *, paused: Paused | None = None,
+             verify: bool = False) -> dict[str, float]:
+        from sao_megatron.rollout.fp8_weights import requantize
+
+        return self.inner.push(requantize(owned), version, paused=paused, verify=verify)
+
+    def reconnect(self, engine_url: str | None, new_url: str | None = None) -> None:
+        self.inner.reconnect(engine_url, new_url)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str):  # transport-specific extras (failed_engines, ...)
+        return getattr(self.inner, name)
+
+
+def _build_transport(rollout_cfg, *, client, run_dir, template_dir, collective, world_group) -> WeightSync:
     kind = "distributed" if rollout_cfg.weight_sync == "nccl" else rollout_cfg.weight_sync
     strict = rollout_cfg.engine == "embedded"  # it reports checksums under the exported HF names
     if kind == "disk":

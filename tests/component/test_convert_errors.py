@@ -80,9 +80,9 @@ def test_config_weights_mismatch(hf, tmp_path, capsys, changes, needle):
 
 
 def test_unsupported_architecture(hf, tmp_path, capsys):
-    edit_config(hf, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32")
+    edit_config(hf, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2")
     line = convert_error(capsys, "hf-to-mcore", "--hf-dir", hf, "--out-dir", tmp_path / "out")
-    assert "DeepSeek-V3.2" in line and "supported:" in line
+    assert "DeepSeek-V2" in line and "supported:" in line
     assert not (tmp_path / "out").exists()
 
 

@@ -18,10 +18,10 @@ CONFIG = REPO / "configs" / "experiments" / "tiny_cpu.yaml"
 pytestmark = pytest.mark.e2e
 
 
-def torchrun(nproc: int, ckpt, out, *args: str) -> dict:
+def torchrun(nproc: int, ckpt, out, *args: str, config: pathlib.Path = CONFIG, timeout: int = 600) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(SCRIPT), str(CONFIG), str(ckpt), str(out), *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+           str(SCRIPT), str(config), str(ckpt), str(out), *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return json.loads(pathlib.Path(out).read_text())

@@ -103,7 +103,7 @@ def _write(path: pathlib.Path, cfg: dict) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("model_type, arch, needle", [
-    ("deepseek_v32", "DeepseekV32ForCausalLM", "DeepSeek-V3.2"),
+    ("deepseek_v2", "DeepseekV2ForCausalLM", "DeepSeek-V2"),
     ("llama", "LlamaForCausalLM", "not supported yet"),
     ("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE"),
 ])

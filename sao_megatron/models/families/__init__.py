@@ -16,7 +16,7 @@ import pathlib
 from typing import Any
 
 from sao_megatron.config.schema import ModelConfig
-from sao_megatron.models.families import deepseek_v3, glm4_moe, glm_moe_dsa, qwen3_moe
+from sao_megatron.models.families import deepseek_v3, deepseek_v32, glm4_moe, glm_moe_dsa, qwen3_moe
 from sao_megatron.models.families.base import ConversionError, Family, WeightMap
 from sao_megatron.models.families.hf_config import read_hf_config
 
@@ -24,11 +24,10 @@ __all__ = ["ConversionError", "FAMILIES", "Family", "WeightMap", "architecture_d
            "hf_config_from_model", "model_config_from_hf"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_moe.FAMILY, glm4_moe.FAMILY, deepseek_v3.FAMILY,
-                                                   glm_moe_dsa.FAMILY)}
+                                                   glm_moe_dsa.FAMILY, deepseek_v32.FAMILY)}
 
 # Families we know of but do not convert yet (the reason is part of the error message).
 _NOT_YET = {
-    "deepseek_v32": "DeepSeek-V3.2 (non-interleaved indexer rope, no indexer_types) is not supported yet",
     "deepseek_v2": "DeepSeek-V2 (MLA attention) is not supported yet",
     "kimi_k2": "Kimi-K2 (DeepSeek-V3 architecture, MLA) is not supported yet",
     "qwen2_moe": "Qwen2-MoE (gated shared expert) is not supported yet",

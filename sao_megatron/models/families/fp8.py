@@ -5,7 +5,10 @@ Layout (DeepSeek's, also read by transformers and SGLang): a quantized linear we
 [ceil(out / bo), ceil(in / bi)] for ``quantization_config.weight_block_size`` = [bo, bi];
 ``W[i, j] = q[i, j] * s[i // bo, j // bi]``. Import dequantizes (the trainer works in
 bf16/fp32); the scales are not model tensors. Export writes bf16 and drops the
-``quantization_config`` from the copied config.json (re-quantizing on export is not done).
+``quantization_config`` from the copied config.json.
+
+For engines that serve FP8 the weight sync re-quantizes with the same scheme
+(``rollout/fp8_weights.py``, ``rollout.engine_weight_format: fp8_block``).
 """
 
 from __future__ import annotations
@@ -73,3 +76,4 @@ def strip_quantization_config(config_path: pathlib.Path) -> None:
     cfg = json.loads(config_path.read_text())
     if cfg.pop("quantization_config", None) is not None:
         config_path.write_text(json.dumps(cfg, indent=2) + "\n")
+

@@ -21,18 +21,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
-from transformers.cache_utils import DynamicCache
+
+from sao_megatron.rollout.engine.kv_cache import KVCache, split_rows, stack_rows
 
 logger = logging.getLogger(__name__)
-
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [1, kv_heads, length, head_dim]
 
 # config.json keys that do not change the computation (compared configs ignore them).
 _CONFIG_METADATA = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
                     "output_router_logits", "_attn_implementation", "_commit_hash", "architectures_version"}
 _ROUTER_NAME = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -50,10 +49,22 @@ def load_hf_model(model_dir: str | Path) -> torch.nn.Module:
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"{model_dir} has no config.json: pass a Hugging Face model directory")
     model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True)
+    info["unexpected_keys"] = [k for k in info.get("unexpected_keys") or () if not is_mtp_tensor(k, model.config)]
     problems = {k: sorted(v)[:5] for k, v in info.items() if k != "error_msgs" and v}
     if problems or info.get("error_msgs"):
         raise ValueError(f"weights in {model_dir} do not match the model class: {problems or info['error_msgs']}")
     return model.eval()
+
+
+def is_mtp_tensor(name: str, config) -> bool:
+    """A multi-token-prediction layer's tensor (DeepSeek-V3 / GLM-5 store them as layers >= num_hidden_layers).
+
+    transformers does not build them (an SGLang engine may use them as a speculative draft), so
+    they are the checkpoint's only tensors the served model legitimately lacks.
+    """
+    match = _LAYER_NAME.match(name)
+    first = int(config.num_hidden_layers)
+    return bool(match) and first <= int(match.group(1)) < first + int(getattr(config, "num_nextn_predict_layers", 0) or 0)
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -145,20 +156,14 @@ class ModelRunner:
             out = self.model(input_ids=torch.tensor([token_ids]), use_cache=True)
         finally:
             self._record = False
-        cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         routing = self._collect_routing(1, len(token_ids)) if record_routing else None
-        return Forward(out.logits[:, -1].float(), [cache], routing)
+        return Forward(out.logits[:, -1].float(), split_rows(out.past_key_values, [len(token_ids)]), routing)
 
     @torch.inference_mode()
     def decode(self, last_tokens: list[int], caches: list[KVCache], *, record_routing: bool = False) -> Forward:
         """One decode step for B requests: feed each one's last token on top of its own cache."""
-        lengths = [c[0][0].shape[2] for c in caches]
+        past, lengths = stack_rows(caches, self.model.config)
         longest = max(lengths)
-        layers = []
-        for li in range(len(caches[0])):
-            keys = [F.pad(c[li][0], (0, 0, longest - n, 0)) for c, n in zip(caches, lengths)]
-            values = [F.pad(c[li][1], (0, 0, longest - n, 0)) for c, n in zip(caches, lengths)]
-            layers.append((torch.cat(keys), torch.cat(values)))
         mask = torch.zeros(len(caches), longest + 1, dtype=torch.long)
         for i, n in enumerate(lengths):
             mask[i, longest - n:] = 1
@@ -166,12 +171,10 @@ class ModelRunner:
         try:
             out = self.model(input_ids=torch.tensor(last_tokens).unsqueeze(1), attention_mask=mask,
                              position_ids=torch.tensor(lengths).unsqueeze(1),
-                             past_key_values=DynamicCache(ddp_cache_data=layers), use_cache=True)
+                             past_key_values=past, use_cache=True)
         finally:
             self._record = False
-        new_layers = out.past_key_values.layers
-        new_caches = [[(layer.keys[i:i + 1, :, longest - n:], layer.values[i:i + 1, :, longest - n:])
-                       for layer in new_layers] for i, n in enumerate(lengths)]
+        new_caches = split_rows(out.past_key_values, [n + 1 for n in lengths])
         routing = self._collect_routing(len(caches), 1) if record_routing else None
         return Forward(out.logits[:, -1].float(), new_caches, routing)
 

@@ -176,7 +176,7 @@ class EngineWeights:
         """
         from safetensors.torch import load_file
 
-        from sao_megatron.rollout.engine.model import read_config
+        from sao_megatron.rollout.engine.model import is_mtp_tensor, read_config
 
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
@@ -186,7 +186,9 @@ class EngineWeights:
         if diff:
             raise ValueError(f"config.json in {model_dir} differs from the served model in {diff[:8]}: "
                              f"an update must keep the architecture")
-        named = [pair for f in sorted(model_dir.glob("*.safetensors")) for pair in load_file(f).items()]
+        config = self.runner.model.config  # MTP layers: in the checkpoint, not in the served model
+        named = [(n, t) for f in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(f).items()
+                 if not is_mtp_tensor(n, config)]
         self.check_loadable(named)
         missing = sorted(set(self.slots()) - {n for n, _ in named})
         if missing:

@@ -72,9 +72,16 @@ def build_model(hub_config: dict[str, Any], seed: int = 0):
     return model.eval()
 
 
-def write_hf_dir(name: str, out_dir: str | pathlib.Path, seed: int = 0, max_shard_size: str = "40KB") -> pathlib.Path:
-    """Save SHAPES[name] as a sharded hub-style HF directory; returns it."""
-    hub = SHAPES[name]
+def write_hf_dir(name: str, out_dir: str | pathlib.Path, seed: int = 0, max_shard_size: str = "40KB",
+                 **overrides: Any) -> pathlib.Path:
+    """Save SHAPES[name] (with ``overrides`` of its hub config keys) as a sharded hub-style HF directory."""
+    return write_hub_dir({**SHAPES[name], **overrides}, out_dir, seed, max_shard_size, fixture=name)
+
+
+def write_hub_dir(hub: dict[str, Any], out_dir: str | pathlib.Path, seed: int = 0, max_shard_size: str = "40KB",
+                  fixture: str = "custom") -> pathlib.Path:
+    """Save a hub-style config's random model as a sharded HF directory; returns it."""
+    name = fixture
     out = pathlib.Path(out_dir)
     model = build_model(hub, seed)
     model.save_pretrained(str(out), max_shard_size=max_shard_size)
