@@ -122,7 +122,8 @@ def stale_drop_by_length(kept: list[int], dropped: list[int], *, num_bins: int =
     The bins are the quantiles of all of them together (q1 the shortest); a sample on a bin edge goes
     to the lower bin. ``frac_qk`` = dropped / finished in bin k (0 for an empty bin). Also
     ``rollout/stale_drop_frac`` overall and ``rollout/stale_drop_len_ratio``: mean length of the dropped
-    over mean length of all finished samples (1: drops independent of length; >1: long ones starve).
+    over mean length of all finished samples (1: drops independent of length; >1: long ones starve;
+    absent when nothing was dropped).
     """
     lengths = sorted(kept + dropped)
     if not lengths:
@@ -136,5 +137,6 @@ def stale_drop_by_length(kept: list[int], dropped: list[int], *, num_bins: int =
     out = {f"rollout/stale_drop_frac_q{k + 1}": lost[k] / total[k] if total[k] else 0.0 for k in range(num_bins)}
     mean_all = sum(lengths) / len(lengths)
     out["rollout/stale_drop_frac"] = len(dropped) / len(lengths)
-    out["rollout/stale_drop_len_ratio"] = (sum(dropped) / len(dropped)) / mean_all if dropped and mean_all else 0.0
+    if dropped and mean_all:  # undefined without drops: absent rather than a 0 that reads "short ones dropped"
+        out["rollout/stale_drop_len_ratio"] = (sum(dropped) / len(dropped)) / mean_all
     return out

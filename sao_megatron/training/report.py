@@ -177,6 +177,8 @@ def _run(args: argparse.Namespace) -> int:
     drops = stale_drop_summary(args.run_dir)
     if drops:
         quartiles = ", ".join(f"q{k} {drops[f'rollout/stale_drop_frac_q{k}']:.1%}" for k in range(1, 5))
+        ratio = drops.get("rollout/stale_drop_len_ratio")
+        ratio = f"; dropped/mean length {ratio:.2f}" if ratio is not None else ""
         sys.stdout.write(f"stale drops: {drops['rollout/stale_drop_frac']:.1%} of finished samples; by response "
-                         f"length {quartiles}; dropped/mean length {drops['rollout/stale_drop_len_ratio']:.2f}\n")
+                         f"length {quartiles}{ratio}\n")
     return 0

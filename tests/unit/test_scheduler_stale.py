@@ -99,4 +99,7 @@ def test_stale_drop_by_length_matches_reference(kept, dropped):
     assert [got[f"rollout/stale_drop_frac_q{k}"] for k in range(1, 5)] == pytest.approx([expected[k] for k in range(1, 5)])
     assert got["rollout/stale_drop_frac"] == pytest.approx(len(dropped) / (len(kept) + len(dropped)))
     mean = sum(kept + dropped) / len(kept + dropped)
-    assert got["rollout/stale_drop_len_ratio"] == pytest.approx(sum(dropped) / len(dropped) / mean if dropped else 0.0)
+    if dropped:
+        assert got["rollout/stale_drop_len_ratio"] == pytest.approx(sum(dropped) / len(dropped) / mean)
+    else:
+        assert "rollout/stale_drop_len_ratio" not in got
