@@ -62,12 +62,12 @@ def apply_cpu_shims(*, skip: Collection[str] = (), force: bool = False) -> None:
 
     ``skip`` names shims to leave out; only the necessity tests use it.
     """
+    unknown = set(skip) - set(SHIMS)
+    if unknown:  # a wrong name is an error whether or not this process is patched already
+        raise ValueError(f"unknown CPU shim(s) {sorted(unknown)}; known: {sorted(SHIMS)}")
     if (torch.cuda.is_available() and not force) or shims_applied():
         return
     check_megatron_version()
-    unknown = set(skip) - set(SHIMS)
-    if unknown:
-        raise ValueError(f"unknown CPU shim(s) {sorted(unknown)}; known: {sorted(SHIMS)}")
     for name, shim in SHIMS.items():
         if name not in skip:
             shim()
