@@ -93,6 +93,7 @@ def test_grpo_baseline_runs(tmp_path):
                    for g in groups}) == [4]
 
 
+@pytest.mark.slow  # over 60 s on 2 cores (66-107 s measured): runs in CI's slow stage
 def test_kill_and_resume_trains_every_prompt_once(tmp_path):
     run_dir = tmp_path / "killed"
     overrides = ["run.num_steps=6", "checkpoint.save_interval=2"]

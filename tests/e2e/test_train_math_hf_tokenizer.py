@@ -69,6 +69,7 @@ def train(tmp_path, data: pathlib.Path, hf_dir: pathlib.Path) -> tuple[subproces
     return proc, run_dir
 
 
+@pytest.mark.slow  # over 60 s on 2 cores (66-107 s measured): runs in CI's slow stage
 def test_math_task_trains_from_an_hf_dir_with_its_own_tokenizer(tmp_path):
     data = write_data(tmp_path / "math.jsonl", solutions=True)
     hf_dir = tmp_path / "hf"
