@@ -166,6 +166,9 @@ class RolloutClient:
         except EngineUnavailable as exc:
             self._mark_unhealthy(url, str(exc))
             raise
+        except EngineTimeout as exc:  # a control call never takes this long: the engine hangs (e.g. SIGSTOP)
+            self._mark_unhealthy(url, str(exc))
+            raise EngineUnavailable(f"{exc} (engine hung: left out until it is healthy again)", url=url) from None
         return self._check(resp, url, path, payload, expect_json)
 
     async def _broadcast(self, path: str, payload: dict[str, Any] | None = None, *, method: str = "POST",
