@@ -193,8 +193,8 @@ CONFIGS = [("sync", "sync", 0, 1), ("single eta=1", "single", 1, 1), ("single et
            ("single eta=4", "single", 4, 1), ("group G=8 eta=1", "group", 1, 8)]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_sim_args(p: argparse.ArgumentParser, *, steps: int) -> None:
+    """The simulated engines' and trainer's flags (shared with scheduler_stale.py)."""
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--slots", type=int, default=32, help="requests decoded together per engine")
     p.add_argument("--token-ms", type=float, default=5.0, help="decode step time")
@@ -205,7 +205,12 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--train-step-s", type=float, default=0.25, help="simulated trainer step")
     p.add_argument("--sync-s", type=float, default=0.02, help="simulated weight push")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=steps)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sim_args(p, steps=12)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)

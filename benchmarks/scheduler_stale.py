@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 
-from scheduler import SimEngine  # benchmarks/scheduler.py (this directory is on sys.path when run as a script)
+from scheduler import SimEngine, add_sim_args  # benchmarks/scheduler.py (this directory is on sys.path when run as a script)
 
 from sao_megatron.config.schema import SchedulerConfig
 from sao_megatron.envs import ArithmeticTask
@@ -76,17 +76,7 @@ async def run_order(args, order: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--eta", type=int, default=1)
-    p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--slots", type=int, default=32, help="requests decoded together per engine")
-    p.add_argument("--token-ms", type=float, default=5.0, help="decode step time")
-    p.add_argument("--median-len", type=float, default=80)
-    p.add_argument("--sigma", type=float, default=1.0, help="log-normal shape of response lengths")
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--train-step-s", type=float, default=0.25, help="simulated trainer step")
-    p.add_argument("--sync-s", type=float, default=0.02, help="simulated weight push")
-    p.add_argument("--steps", type=int, default=14)
+    add_sim_args(p, steps=14)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--orders", default=",".join(ORDERS))
     args = p.parse_args()
