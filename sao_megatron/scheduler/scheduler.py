@@ -40,7 +40,7 @@ from sao_megatron.config.schema import DataConfig, RolloutConfig, SchedulerConfi
 from sao_megatron.envs import build_reward_schedule
 from sao_megatron.envs.base import Prompt, Task
 from sao_megatron.envs.rewards import RewardPool, RewardSchedule
-from sao_megatron.rollout.types import SamplingParams
+from sao_megatron.rollout.types import EngineError, SamplingParams
 from sao_megatron.scheduler.episode import Episode, EpisodeDiscarded, EpisodeRunner
 from sao_megatron.scheduler.prompts import PromptCursor, PromptRef
 from sao_megatron.scheduler.sample import Sample
@@ -398,16 +398,21 @@ class AsyncScheduler:
             # The pause is inside the try: when every engine dies between the caller's health check
             # and this call, the error must not leave the admission gate closed for good.
             try:
-                await self.client.pause_generation(self.runner.pause_mode)
-                if update_fn is not None:
-                    await update_fn()
-                self.version = version
-            finally:
                 try:
-                    await self.client.continue_generation()
-                finally:
-                    self._gate.set()
-                    self._admit()
+                    await self.client.pause_generation(self.runner.pause_mode)
+                    if update_fn is not None:
+                        await update_fn()
+                    self.version = version
+                except BaseException:
+                    try:  # engines left paused would never generate again; the first error says more
+                        await self.client.continue_generation()
+                    except EngineError as exc:
+                        logger.warning("continue_generation after a failed weight update: %s", exc)
+                    raise
+                await self.client.continue_generation()
+            finally:
+                self._gate.set()
+                self._admit()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

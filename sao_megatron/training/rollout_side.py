@@ -27,6 +27,7 @@ from sao_megatron.rollout.launch import LocalEngines, SGLangRouterProcess
 from sao_megatron.rollout.recovery import CurrentWeights, LocalRestarter, PendingReconnects, disk_readmit
 from sao_megatron.rollout.router_admin import RouterAdmin
 from sao_megatron.rollout.supervisor import EngineSupervisor
+from sao_megatron.rollout.types import EngineUnavailable
 from sao_megatron.rollout.weight_sync import DiskWeightSync
 from sao_megatron.scheduler.sample import Sample
 from sao_megatron.scheduler.scheduler import AsyncScheduler
@@ -217,14 +218,24 @@ class RolloutSide:
                     self.weights.set(self.weights_root / f"v{version:06d}" if disk else None, version)
             if disk and not self.client.healthy_urls():
                 # Every engine is down (restarting): nothing to pause or load; they load these on readmission.
-                self.bridge.run(self._record_weights(version))
+                self.bridge.run(self._record_weights(version, disk))
                 return
-            self.bridge.run(self.scheduler.on_weights_updated(version, locked))
+            try:
+                self.bridge.run(self.scheduler.on_weights_updated(version, locked))
+            except EngineUnavailable as exc:
+                if self.client.healthy_urls():
+                    raise
+                # The last engines died during the push. As when they were down before it: the weights
+                # are recorded, restarted engines load them on readmission, and the next batch waits
+                # for an engine (NoEngineError after rollout.no_engine_timeout_s).
+                log.warning("every engine failed during the v%d weight push (%s); engines readmitted "
+                            "later load these weights", version, exc)
+                self.bridge.run(self._record_weights(version, disk))
         return run
 
-    async def _record_weights(self, version: int) -> None:
+    async def _record_weights(self, version: int, disk: bool) -> None:
         async with self.weights.lock:
-            self.weights.set(self.weights_root / f"v{version:06d}", version)
+            self.weights.set(self.weights_root / f"v{version:06d}" if disk else None, version)
         self.scheduler.set_version(version)
 
     def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:

@@ -629,3 +629,65 @@ def test_a_failed_pause_does_not_close_admission_for_good():
         assert len(await asyncio.wait_for(s.next_batch(), 20)) == 4
         await s.stop()
     asyncio.run(run())
+
+
+def test_a_failed_update_is_not_hidden_by_a_failed_continue():
+    """The weight load fails (say, a malformed checkpoint) and continue_generation fails too: the
+    error raised is the load's, which says what to fix, and admission still reopens."""
+    class ContinueFails(FakeClient):
+        async def continue_generation(self):
+            await super().continue_generation()
+            raise EngineUnavailable("every engine failed", url="fake://0")
+
+    async def run():
+        c = ContinueFails()
+        s = make(c, eta=1)
+        await s.start()
+        await s.next_batch()
+
+        async def push():
+            raise ValueError("malformed checkpoint: model.layers.0.mlp.gate.weight missing")
+        with pytest.raises(ValueError, match="malformed checkpoint"):
+            await s.on_weights_updated(1, push)
+        assert s.version == 0 and s._gate.is_set()
+        await s.stop()
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("engines_left", [0, 1])
+def test_engines_that_all_die_during_a_push_leave_the_weights_recorded(tmp_path, engines_left):
+    """RolloutSide.paused: the last engines die during the push (pause fails with EngineUnavailable
+    and none is healthy): like engines already down before it, the push records the weights for
+    readmission and returns, so the next batch waits for an engine and ends in NoEngineError rather
+    than a raw EngineUnavailable. With an engine still healthy the error is a real one and is raised."""
+    from sao_megatron.config.schema import DataConfig, RolloutConfig
+    from sao_megatron.rollout.recovery import CurrentWeights
+    from sao_megatron.training.rollout_side import RolloutSide
+
+    class DiesOnPause(FakeClient):
+        async def pause_generation(self, mode="retract"):
+            if not engines_left:
+                self.engine_urls = []  # the client marked every engine unhealthy
+            raise EngineUnavailable("/pause_generation: every engine failed", url="fake://0")
+
+    side = RolloutSide(rollout=RolloutConfig(), scheduler=SchedulerConfig(), data=DataConfig(), task=None,
+                       mode="single", group_size=1, run_dir=tmp_path, template_dir=tmp_path)
+    try:
+        side.client = DiesOnPause()
+        side.scheduler = make(side.client)
+        side.weights = CurrentWeights(tmp_path / "weights" / "v000000", 0)
+        loaded = []
+
+        async def update():
+            loaded.append(True)
+        if engines_left:
+            with pytest.raises(EngineUnavailable):
+                side.paused(3)(update)
+            assert side.weights.version == 0 and side.scheduler.version == 0
+        else:
+            side.paused(3)(update)
+            assert side.weights.version == 3 and side.scheduler.version == 3
+            assert side.weights.path == tmp_path / "weights" / "v000003"
+        assert not loaded  # no engine loaded anything
+    finally:
+        side.bridge.close()
