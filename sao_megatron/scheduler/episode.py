@@ -183,6 +183,7 @@ class EpisodeRunner:
         ep.num_requests += 1
         ep.rid = f"{ep.uid:016x}{ep.num_requests:016x}"
         ep.generating, ep.interrupted = True, False
+        self.stats.request_opened(ep.rid, time.monotonic())
         try:
             return await self.client.generate(input_ids, sampling, rid=ep.rid,
                                               return_routed_experts=self.return_routed_experts)
@@ -197,6 +198,7 @@ class EpisodeRunner:
             raise
         finally:
             ep.generating = False
+            self.stats.request_closed(ep.rid)
 
     async def _recover(self, ep: Episode, exc: Exception, failures: int) -> None:
         self.stats.add("engine_retries")

@@ -448,7 +448,10 @@ class AsyncScheduler:
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, float]:
         """``rollout/*`` metrics over the samples consumed since the last call, plus counters and depths."""
-        out = self._stats.report(self.client.engine_urls)
+        # Through a router the client cannot attribute requests to engines: no utilisation (see stats).
+        routed = getattr(self.client, "router_url", None) is not None
+        out = self._stats.report([] if routed else self.client.engine_urls,
+                                 engine_of=getattr(self.client, "engine_of", None))
         out.update({
             "rollout/version": float(self.version), "rollout/num_started": float(self.num_started),
             "rollout/admission_limit": float(self.admission_limit()),

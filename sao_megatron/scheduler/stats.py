@@ -3,14 +3,18 @@
 Per-batch quantities cover the samples consumed since the last ``report``; counters are
 cumulative over the run (and survive ``state_dict``). Engine utilisation is the fraction of the
 report window during which an engine had at least one /generate request open, measured from the
-client side (the interval [send, reply] of every finished request, clipped to the window; a
-request still open at report time is counted in the window in which it finishes).
+client side: the interval [send, reply] of every finished request and [send, now] of every request
+still open (its engine read from the client's sticky routing), each clipped to the window. So a
+request longer than a training step counts in every window it spans, not only the one it ends in.
+Through an SGLang router the client cannot tell which engine serves a request: no utilisation is
+reported then rather than a false zero.
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sao_megatron.scheduler.sample import Sample
@@ -28,6 +32,8 @@ class RolloutStats:
     _dropped: list[tuple[Sample, int]] = field(default_factory=list)
     _busy: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: collections.defaultdict(list))
     _window_start: float = field(default_factory=time.monotonic)
+    _open: dict[str, float] = field(default_factory=dict)
+    """Send time of every /generate request still open, by request id."""
 
     def add(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
@@ -41,12 +47,25 @@ class RolloutStats:
     def observe_request(self, url: str, start: float, end: float) -> None:
         self._busy[url].append((start, end))
 
-    def report(self, engine_urls: list[str]) -> dict[str, float]:
+    def request_opened(self, rid: str, start: float) -> None:
+        self._open[rid] = start
+
+    def request_closed(self, rid: str) -> None:
+        self._open.pop(rid, None)
+
+    def report(self, engine_urls: list[str], engine_of: Callable[[str], str | None] | None = None
+               ) -> dict[str, float]:
+        """``engine_of(rid)``: the engine an open request was sent to (None: unknown, not counted)."""
         now = time.monotonic()
         out = {f"rollout/{k}": float(v) for k, v in self.counters.items()}
         out.update(self._staleness())
         out.update(self._rewards())
-        out.update(self._utilisation(engine_urls, self._window_start, now))
+        open_now: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+        for rid, start in self._open.items():
+            url = engine_of(rid) if engine_of is not None else None
+            if url is not None:
+                open_now[url].append((start, now))
+        out.update(self._utilisation(engine_urls, self._window_start, now, open_now))
         out.update(stale_drop_by_length([s.num_action_tokens for s, _ in self._batch],
                                         [s.num_action_tokens for s, _ in self._dropped]))
         self._batch.clear()
@@ -89,13 +108,16 @@ class RolloutStats:
             out["rollout/reward_error_frac"] = sum(s.reward_error is not None for s, _ in self._batch) / len(rewards)
         return out
 
-    def _utilisation(self, urls: list[str], t0: float, t1: float) -> dict[str, float]:
+    def _utilisation(self, urls: list[str], t0: float, t1: float,
+                     open_now: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
         if t1 <= t0 or not urls:
+            self._busy.clear()
             return {}
         utils = []
         for url in urls:
-            utils.append(min(1.0, _union_length(self._busy.get(url, []), t0, t1) / (t1 - t0)))
-            self._busy[url] = []
+            busy = self._busy.get(url, []) + open_now.get(url, [])
+            utils.append(min(1.0, _union_length(busy, t0, t1) / (t1 - t0)))
+        self._busy.clear()
         out = {f"rollout/engine_util/{i}": u for i, u in enumerate(utils)}
         out["rollout/engine_util_mean"] = sum(utils) / len(utils)
         out["rollout/engine_util_min"] = min(utils)

@@ -46,6 +46,9 @@ class FakeClient:
     def healthy_urls(self):
         return self.engine_urls
 
+    def engine_of(self, rid):
+        return self.engine_urls[0] if self.engine_urls else None
+
     async def health(self):
         return {u: True for u in self.engine_urls}
 
@@ -691,3 +694,38 @@ def test_engines_that_all_die_during_a_push_leave_the_weights_recorded(tmp_path,
         assert not loaded  # no engine loaded anything
     finally:
         side.bridge.close()
+
+
+def test_engine_utilisation_counts_requests_still_open_in_every_window_they_span(monkeypatch):
+    """A request sent before a window and still open after it kept its engine busy for the whole
+    window; one that finishes in the next window counts there only for its overlap. Against a
+    recount by hand on a controlled clock."""
+    from sao_megatron.scheduler import stats as stats_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(stats_mod.time, "monotonic", lambda: clock[0])
+    st = stats_mod.RolloutStats()
+    st._window_start = 100.0  # the dataclass default read the real clock
+    urls = ["http://a", "http://b"]
+    engines = {"r1": "http://a", "r2": "http://b"}
+    st.request_opened("r1", 101.0)  # open through the first window
+    st.request_opened("r2", 104.0)
+    clock[0] = 105.0
+    st.request_closed("r2")
+    st.observe_request("http://b", 104.0, 105.0)
+    clock[0] = 110.0
+    first = st.report(urls, engine_of=engines.get)
+    assert first["rollout/engine_util/0"] == pytest.approx(9 / 10)  # r1: 101..110 still open
+    assert first["rollout/engine_util/1"] == pytest.approx(1 / 10)
+    clock[0] = 112.0
+    st.request_closed("r1")
+    st.observe_request("http://a", 101.0, 112.0)
+    clock[0] = 120.0
+    second = st.report(urls, engine_of=engines.get)
+    assert second["rollout/engine_util/0"] == pytest.approx(2 / 10)  # only its overlap 110..112
+    assert second["rollout/engine_util/1"] == 0.0
+    assert second["rollout/engine_util_mean"] == pytest.approx(0.1)
+    # without a way to attribute open requests (a router), there is no utilisation, not a false 0
+    st.request_opened("r3", 121.0)
+    clock[0] = 125.0
+    assert not any(k.startswith("rollout/engine_util") for k in st.report([], engine_of=None))
