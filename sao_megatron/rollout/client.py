@@ -13,6 +13,9 @@ Failure policy:
 - the connection breaks after the request was sent: the engine is marked
   unhealthy and ``EngineUnavailable`` is raised (no retry: it may have run);
 - no reply within ``timeout_s``: ``EngineTimeout`` after a best-effort abort;
+- the engine is taken out of service (``remove_engine``: the supervisor found it dead or hung)
+  while a request waits on it: the request ends at once; a turn fails over to another engine, a
+  control call's broadcast skips it;
 - non-2xx or malformed body: ``EngineReplyError`` (body truncated in the message).
 """
 
@@ -51,6 +54,11 @@ class _NeverAccepted(Exception):
     """Connection refused or connect timeout after all retries: safe to send elsewhere."""
 
 
+class _TakenOut(EngineUnavailable):
+    """The engine was removed (dead or hung) while the request waited: it will not answer, so a turn
+    is sent elsewhere; a control call skips it."""
+
+
 class RolloutClient:
     """SGLang native-API client: token-in/token-out generation plus the RL control plane."""
 
@@ -76,6 +84,9 @@ class RolloutClient:
         """Last version pushed through this client (None before the first update)."""
         self.paused = False
         """Generation is paused on the engines (health probes then skip SGLang's /health, which waits)."""
+        self._open_sends: dict[str, set[asyncio.Future]] = {}
+        self._cut: set[asyncio.Future] = set()
+        """Open requests cancelled by ``remove_engine`` (told apart from the caller's own cancellation)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # trust_env=False: a proxy from the environment must never see loopback engine traffic.
         self._http = httpx.AsyncClient(
@@ -103,8 +114,14 @@ class RolloutClient:
         self._router.add(url.rstrip("/"))
 
     def remove_engine(self, url: str) -> None:
-        """Stop sending anything to ``url`` (dead or being restarted); open requests there fail over."""
-        self._router.remove(url.rstrip("/"))
+        """Stop sending anything to ``url`` (dead, hung or being restarted). Requests still open there
+        are cut short with EngineUnavailable: control calls are skipped by the broadcast, turns fail
+        over (see ``_send_tracked``)."""
+        url = url.rstrip("/")
+        self._router.remove(url)
+        for task in self._open_sends.pop(url, set()):
+            self._cut.add(task)
+            task.cancel()
 
     async def _wait_for_engine(self) -> None:
         deadline = time.monotonic() + self.engine_wait_s
@@ -115,6 +132,27 @@ class RolloutClient:
         if url in self._router.inflight and self._router.is_healthy(url):
             logger.warning("engine %s marked unhealthy: %s", url, why)
             self._router.mark_unhealthy(url)
+
+    async def _send_tracked(self, method: str, url: str, path: str, payload: dict[str, Any] | None,
+                            timeout: float) -> httpx.Response:
+        """``_send`` to one engine, cut short by ``remove_engine``. Written by hand because httpx has no
+        per-host cancellation: once the supervisor has judged an engine hung (~21 s), a weight push or a
+        turn waiting on it must not hold on for the rest of its timeout (120 s to 10 min)."""
+        task = asyncio.ensure_future(self._send(method, url, path, payload, timeout))
+        self._open_sends.setdefault(url, set()).add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task in self._cut and (me is None or not me.cancelling()):
+                raise _TakenOut(f"{url}{path}: the engine was taken out of service (dead or hung) "
+                                "while this request waited", url=url) from None
+            raise
+        finally:
+            self._cut.discard(task)
+            open_sends = self._open_sends.get(url)
+            if open_sends is not None:
+                open_sends.discard(task)
 
     async def _send(self, method: str, url: str, path: str, payload: dict[str, Any] | None,
                     timeout: float) -> httpx.Response:
@@ -159,7 +197,7 @@ class RolloutClient:
                     method: str = "POST", expect_json: bool = False, timeout: float | None = None) -> Any:
         """A control/info call to one engine; an unreachable engine is marked unhealthy."""
         try:
-            resp = await self._send(method, url, path, payload, timeout or self.control_timeout_s)
+            resp = await self._send_tracked(method, url, path, payload, timeout or self.control_timeout_s)
         except _NeverAccepted as exc:
             self._mark_unhealthy(url, str(exc))
             raise EngineUnavailable(str(exc), url=url) from None
@@ -225,6 +263,8 @@ class RolloutClient:
                 # Never accepted: marking it unhealthy and failing over cannot duplicate work.
                 self._mark_unhealthy(url, str(exc))
                 tried.add(url)
+            except _TakenOut:  # removed while waiting (its process is killed or it hangs): its reply
+                tried.add(url)  # will never be used, so the turn is sent to another engine
 
     async def _generate_at(self, url: str, payload: dict[str, Any], rid: str, want_routed: bool,
                            via_router: bool) -> GenerateResult:
@@ -232,7 +272,8 @@ class RolloutClient:
             self._router.acquire(rid, url)
         start = time.perf_counter()
         try:
-            resp = await self._send("POST", url, "/generate", payload, self.timeout_s)
+            resp = await (self._send("POST", url, "/generate", payload, self.timeout_s) if via_router else
+                          self._send_tracked("POST", url, "/generate", payload, self.timeout_s))
         except _NeverAccepted as exc:
             if via_router:
                 raise EngineUnavailable(f"router unreachable: {exc}", url=url) from None

@@ -87,3 +87,59 @@ def test_control_broadcast_skips_dead_engines():
     with FakeEngine("ok") as fake:
         healthy, health = asyncio.run(run())
     assert healthy == [fake.url] and health == {fake.url: True, dead: False}
+
+
+def _hung_server():
+    """A listening socket that never accepts: connections complete in the kernel backlog and the
+    request is sent, but no reply ever comes, as from a SIGSTOPped engine."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_an_engine_taken_out_of_service_releases_the_calls_waiting_on_it():
+    """The supervisor judged an engine hung and removed it: a pause broadcast and a turn that wait
+    on it end at once (the broadcast with the other engine's reply, the turn with EngineUnavailable
+    for its episode to fail over) instead of after the 60 s control/request timeouts."""
+    hung, hung_url = _hung_server()
+
+    async def run(ok_url):
+        async with RolloutClient([ok_url, hung_url], timeout_s=60.0, control_timeout_s=60.0) as client:
+            pause = asyncio.ensure_future(client._broadcast("/pause_generation", {"mode": "abort"}))
+            turn = asyncio.ensure_future(client._generate_at(hung_url, {"rid": "r1"}, "r1", False, via_router=False))
+            await asyncio.sleep(0.5)
+            assert not pause.done() and not turn.done()  # both wait on the hung engine
+            start = time.perf_counter()
+            client.remove_engine(hung_url)
+            replies = await asyncio.wait_for(pause, 5)
+            with pytest.raises(EngineUnavailable, match="taken out of service"):
+                await asyncio.wait_for(turn, 5)
+            return replies, time.perf_counter() - start, client.healthy_urls(), client._open_sends
+    try:
+        with FakeEngine("ok") as fake:
+            replies, elapsed, healthy, open_sends = asyncio.run(run(fake.url))
+    finally:
+        hung.close()
+    assert list(replies) == [fake.url] and elapsed < 2.0
+    assert healthy == [fake.url] and not any(open_sends.values())
+
+
+def test_a_caller_cancelled_call_stays_cancelled():
+    """Cancelling a caller (say, at shutdown) is not turned into an engine failure."""
+    hung, hung_url = _hung_server()
+
+    async def run():
+        async with RolloutClient([hung_url], timeout_s=60.0, control_timeout_s=60.0) as client:
+            call = asyncio.ensure_future(client._call(hung_url, "/pause_generation", {"mode": "abort"}))
+            await asyncio.sleep(0.3)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            return client.healthy_urls()
+    try:
+        assert asyncio.run(run()) == [hung_url]
+    finally:
+        hung.close()
