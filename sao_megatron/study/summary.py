@@ -4,7 +4,13 @@ Per run (from its ``metrics.jsonl``): held-out pass@1 of the last evaluation, fi
 (mean ``reward/mean`` over the last 10 % of steps), steps to the study's reward threshold, entropy
 collapse (``actor/entropy`` over the last 10 % / first 10 % of steps), DIS masked fractions (run
 mean), critic explained variance (last 20 %), and for online runs the steps to recover 90 % of the
-pre-shift reward after each phase change. Per variant: mean with a Student-t 95 % CI over seeds.
+pre-shift reward after each phase change; the gains during RL (held-out pass@1 of the last minus the
+first evaluation, training reward of the last minus the first 10 % of steps). Per variant: mean
+with a Student-t 95 % CI over seeds.
+
+Seed k of every variant starts from the same supervised warm-up, and the warm-up's spread over
+seeds can dwarf what RL changes. So the second table compares each variant with the first one
+(the reference) seed by seed: the CI of paired differences, which the warm-up's spread cancels out of.
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ from dataclasses import dataclass, field
 from sao_megatron.study.spec import Plan, PlannedRun
 from sao_megatron.algorithms.stats import adaptation_steps, steps_to_threshold, t_interval
 
-RUN_KEYS = ("heldout_pass_at_1", "final_reward", "steps_to_threshold", "entropy_ratio", "dis_masked_low",
-            "dis_masked_high", "critic_explained_var", "adaptation_steps")
+RUN_KEYS = ("heldout_pass_at_1", "heldout_gain", "final_reward", "reward_gain", "steps_to_threshold",
+            "entropy_ratio", "dis_masked_low", "dis_masked_high", "critic_explained_var", "adaptation_steps")
 
 
 def _read(run_dir: pathlib.Path) -> list[dict]:
@@ -47,8 +53,11 @@ def run_stats(records: list[dict], *, threshold: float, online: bool) -> dict[st
     _, heldout = _series(records, "eval/pass_at_1")
     _, entropy = _series(records, "actor/entropy")
     hit = steps_to_threshold(steps, reward, threshold)
+    head = reward[:max(1, len(reward) // 10)]
     out = {"heldout_pass_at_1": heldout[-1] if heldout else math.nan,
+           "heldout_gain": heldout[-1] - heldout[0] if len(heldout) >= 2 else math.nan,
            "final_reward": _mean(_tail(reward, 0.1)),
+           "reward_gain": _mean(_tail(reward, 0.1)) - _mean(head) if reward else math.nan,
            "steps_to_threshold": math.nan if hit is None else float(hit + 1),
            "entropy_ratio": _mean(_tail(entropy, 0.1)) / _mean(entropy[:max(1, len(entropy) // 10)])
            if entropy else math.nan,
@@ -71,6 +80,8 @@ class VariantRow:
     shape: str
     describe: str
     runs: list[dict[str, float]] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    """The seed index of each of ``runs``."""
 
     def agg(self, key: str) -> tuple[float, float, float, int]:
         """(mean, ci_low, ci_high, n) over the seeds that have the metric."""
@@ -88,6 +99,7 @@ def collect(plan: Plan) -> list[VariantRow]:
         records = _read(run.run_dir) if is_done(run) else []
         if records:
             row.runs.append(run_stats(records, threshold=plan.spec.threshold, online=run.online))
+            row.seeds.append(run.seed_index)
     return list(rows.values())
 
 
@@ -104,7 +116,8 @@ def _fmt(mean: float, low: float, high: float, n: int, digits: int = 3) -> str:
     return f"{mean:.{digits}f} ± {(high - low) / 2:.{digits}f}"
 
 
-_COLUMNS = (("held-out pass@1", "heldout_pass_at_1"), ("final train reward", "final_reward"),
+_COLUMNS = (("held-out pass@1", "heldout_pass_at_1"), ("held-out gain", "heldout_gain"),
+            ("final train reward", "final_reward"), ("train reward gain", "reward_gain"),
             ("steps to threshold", "steps_to_threshold"), ("entropy last/first", "entropy_ratio"),
             ("DIS masked low", "dis_masked_low"), ("DIS masked high", "dis_masked_high"),
             ("critic expl. var", "critic_explained_var"), ("adaptation steps", "adaptation_steps"))
@@ -120,6 +133,7 @@ def write_tables(rows: list[VariantRow], out: pathlib.Path, *, threshold: float)
         cells = [_fmt(*row.agg(k), digits=1 if k in ("steps_to_threshold", "adaptation_steps") else 3)
                  for _, k in _COLUMNS]
         lines.append(f"| {row.variant} | {row.shape} | {len(row.runs)} | " + " | ".join(cells) + " |")
+    lines += paired_table(rows)
     md = out / "results.md"
     md.write_text("\n".join(lines) + "\n")
     path = out / "results.csv"
@@ -128,7 +142,40 @@ def write_tables(rows: list[VariantRow], out: pathlib.Path, *, threshold: float)
         w.writerow(["variant", "shape", "seeds"] + [f"{k}_{s}" for _, k in _COLUMNS for s in ("mean", "low", "high", "n")])
         for row in rows:
             w.writerow([row.variant, row.shape, len(row.runs)] + [v for _, k in _COLUMNS for v in row.agg(k)])
+    if len(rows) >= 2:  # results_paired.csv: the paired table's numbers (mean, low, high, pairs)
+        with (out / "results_paired.csv").open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["variant", "reference"] + [f"delta_{k}_{s}" for _, k in _PAIRED for s in ("mean", "low", "high", "n")])
+            for row in rows[1:]:
+                w.writerow([row.variant, rows[0].variant] + [v for _, k in _PAIRED for v in paired(row, rows[0], k)])
     return md, path
+
+
+_PAIRED = (("Δ held-out pass@1", "heldout_pass_at_1"), ("Δ held-out gain", "heldout_gain"),
+           ("Δ final train reward", "final_reward"), ("Δ train reward gain", "reward_gain"))
+
+
+def paired(row: VariantRow, ref: VariantRow, key: str) -> tuple[float, float, float, int]:
+    """(mean, ci_low, ci_high, n) of ``row - ref`` over the seeds both have the metric for."""
+    mine = {s: r.get(key, math.nan) for s, r in zip(row.seeds, row.runs)}
+    theirs = {s: r.get(key, math.nan) for s, r in zip(ref.seeds, ref.runs)}
+    diffs = [mine[s] - theirs[s] for s in sorted(mine.keys() & theirs.keys())
+             if not (math.isnan(mine[s]) or math.isnan(theirs[s]))]
+    return (*t_interval(diffs), len(diffs))
+
+
+def paired_table(rows: list[VariantRow]) -> list[str]:
+    """Markdown lines: each variant minus the first one, seed by seed (empty with one variant)."""
+    if len(rows) < 2:
+        return []
+    ref = rows[0]
+    lines = ["", f"Paired by seed against `{ref.variant}` (variant minus {ref.variant} on the same seed, mean ± 95 % "
+             "CI half-width; an interval that excludes 0 is a difference the seeds support).", "",
+             "| variant | pairs | " + " | ".join(c for c, _ in _PAIRED) + " |", "|" + "---|" * (2 + len(_PAIRED))]
+    for row in rows[1:]:
+        cells = [paired(row, ref, k) for _, k in _PAIRED]
+        lines.append(f"| {row.variant} | {max(c[3] for c in cells)} | " + " | ".join(_fmt(*c) for c in cells) + " |")
+    return lines
 
 
 def write_plots(plan: Plan, out: pathlib.Path) -> list[pathlib.Path]:

@@ -125,3 +125,25 @@ def test_execute_is_resumable_and_tables_aggregate_over_seeds(tmp_path, monkeypa
     assert float(row["heldout_pass_at_1_mean"]) == pytest.approx(0.5)  # seeds give 0, 0.5, 1.0
     assert float(row["heldout_pass_at_1_high"]) - 0.5 == pytest.approx(4.302652729911275 * 0.5 / math.sqrt(3))
     assert "| sao | 32x1 | 3 | 0.500 ± 1.242" in md.read_text()
+
+
+def test_paired_table_differences_seed_by_seed():
+    """Variant minus reference on the same seed, against a hand recount; a seed only one side
+    finished is left out. A shared per-seed offset (the warm-up) cancels: the paired interval is
+    narrow where the unpaired ones are wide."""
+    from sao_megatron.algorithms.stats import t_interval
+    from sao_megatron.study.summary import VariantRow, paired, paired_table
+
+    warmup = {0: 0.8, 1: 0.01, 2: 0.16, 3: 0.5}
+    ref = VariantRow("sao", "32x1", "", seeds=[0, 1, 2],
+                     runs=[{"heldout_pass_at_1": warmup[s] + 0.02 * s} for s in (0, 1, 2)])
+    other = VariantRow("grpo", "4x8", "", seeds=[2, 0, 1, 3],
+                       runs=[{"heldout_pass_at_1": warmup[s] - 0.05 + 0.01 * s} for s in (2, 0, 1, 3)])
+    diffs = [(warmup[s] - 0.05 + 0.01 * s) - (warmup[s] + 0.02 * s) for s in (0, 1, 2)]
+    mean, low, high, n = paired(other, ref, "heldout_pass_at_1")
+    assert n == 3 and (mean, low, high) == pytest.approx(t_interval(diffs))
+    assert high < 0  # the seeds support "grpo is lower"
+    assert ref.agg("heldout_pass_at_1")[2] - ref.agg("heldout_pass_at_1")[1] > 10 * (high - low)
+    table = "\n".join(paired_table([ref, other]))
+    assert "| grpo | 3 | " + f"{mean:.3f} ± {(high - low) / 2:.3f}" in table
+    assert paired_table([ref]) == []
