@@ -434,6 +434,10 @@ class EvalConfig:
     """Held-out problems per evaluation, one sample each (pass@1)."""
     temperature: float = 0.0
     """Sampling temperature of evaluation (0: greedy)."""
+    before_train: bool = False
+    """Also evaluate the starting weights once (after the warm-up and value pretraining, before the first
+    RL step), logged with the first step as ``eval_start/*``: the baseline RL's held-out gain is measured
+    from. Works with interval 0 too (only this evaluation). Skipped on resume."""
 
 
 @cfg

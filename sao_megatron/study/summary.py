@@ -5,7 +5,8 @@ Per run (from its ``metrics.jsonl``): held-out pass@1 of the last evaluation, fi
 collapse (``actor/entropy`` over the last 10 % / first 10 % of steps), DIS masked fractions (run
 mean), critic explained variance (last 20 %), and for online runs the steps to recover 90 % of the
 pre-shift reward after each phase change; the gains during RL (held-out pass@1 of the last minus the
-first evaluation, training reward of the last minus the first 10 % of steps). Per variant: mean
+first evaluation, or of the starting weights with ``eval.before_train``; training reward of the last
+minus the first 10 % of steps). Per variant: mean
 with a Student-t 95 % CI over seeds.
 
 Seed k of every variant starts from the same supervised warm-up, and the warm-up's spread over
@@ -51,11 +52,13 @@ def run_stats(records: list[dict], *, threshold: float, online: bool) -> dict[st
     """The per-run numbers of the table (NaN where a run has no such metric)."""
     steps, reward = _series(records, "reward/mean")
     _, heldout = _series(records, "eval/pass_at_1")
+    _, start = _series(records, "eval_start/pass_at_1")  # eval.before_train: the starting weights
     _, entropy = _series(records, "actor/entropy")
     hit = steps_to_threshold(steps, reward, threshold)
     head = reward[:max(1, len(reward) // 10)]
     out = {"heldout_pass_at_1": heldout[-1] if heldout else math.nan,
-           "heldout_gain": heldout[-1] - heldout[0] if len(heldout) >= 2 else math.nan,
+           "heldout_gain": heldout[-1] - start[0] if heldout and start else
+                           heldout[-1] - heldout[0] if len(heldout) >= 2 else math.nan,
            "final_reward": _mean(_tail(reward, 0.1)),
            "reward_gain": _mean(_tail(reward, 0.1)) - _mean(head) if reward else math.nan,
            "steps_to_threshold": math.nan if hit is None else float(hit + 1),

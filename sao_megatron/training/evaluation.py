@@ -110,7 +110,7 @@ class PeriodicEval:
         self.sampling = eval_sampling(eval_cfg, max_new_tokens)
         self.schedule = schedule or RewardSchedule([])
         # Fail at start-up, not at the first evaluation, when the task has no held-out split.
-        self.prompts = task.heldout_prompts(eval_cfg.num_prompts) if eval_cfg.interval else []
+        self.prompts = task.heldout_prompts(eval_cfg.num_prompts) if eval_cfg.interval or eval_cfg.before_train else []
 
     @classmethod
     def from_config(cls, eval_cfg: EvalConfig, task: Task, data: DataConfig, rollout: RolloutConfig, *,
@@ -130,12 +130,21 @@ class PeriodicEval:
         """The ``eval/*`` metrics when an evaluation is due at ``step``, else {}."""
         if not self.due(step):
             return {}
+        return self.run(rollout, version, step=step)
+
+    def before_training(self, rollout, version: int) -> dict[str, float]:
+        """``eval_start/*``: the starting weights on the held-out problems when ``eval.before_train``, else {}."""
+        if not self.cfg.before_train:
+            return {}
+        return self.run(rollout, version, step=0, prefix="eval_start")
+
+    def run(self, rollout, version: int, *, step: int, prefix: str = "eval") -> dict[str, float]:
         coro = evaluate_prompts(rollout.client, self.task, self.prompts, self.sampling,
                                 max_turns=self.data.max_turns, max_total_tokens=self.data.max_total_tokens,
                                 reward_pool=rollout.scheduler.reward_pool, target=self.schedule.target_at(version))
         t0 = time.perf_counter()
-        metrics = rollout.bridge.run(coro).metrics() | {"timing/eval_s": time.perf_counter() - t0}
-        log.info("eval at step %d (version %d): pass@1 %.3f [%.3f, %.3f] over %d held-out problems, mean reward "
-                 "%.3f", step, version, metrics["eval/pass_at_1"], metrics["eval/ci_low"], metrics["eval/ci_high"],
-                 len(self.prompts), metrics["eval/mean_reward"])
+        metrics = rollout.bridge.run(coro).metrics(prefix) | {f"timing/{prefix}_s": time.perf_counter() - t0}
+        log.info("%s at step %d (version %d): pass@1 %.3f [%.3f, %.3f] over %d held-out problems, mean reward "
+                 "%.3f", prefix, step, version, metrics[f"{prefix}/pass_at_1"], metrics[f"{prefix}/ci_low"],
+                 metrics[f"{prefix}/ci_high"], len(self.prompts), metrics[f"{prefix}/mean_reward"])
         return metrics

@@ -103,7 +103,7 @@ def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None
     ax.set(xlabel="trainer step", ylabel="explained variance", title="Critic explained variance")
     save(fig, "critic_explained_variance.png")
 
-    if _series(records, "eval/pass_at_1")[1]:
+    if _series(records, "eval/pass_at_1")[1] or _series(records, "eval_start/pass_at_1")[1]:
         save(_eval_figure(plt, records), "heldout_eval.png")
 
     drops = stale_drop_summary(run_dir)
@@ -153,12 +153,16 @@ def _eval_figure(plt, records: list[dict[str, Any]]):
     """Held-out pass@1 with its CI band and mean reward against trainer steps (``training.evaluation``)."""
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = [r for r in records if all(isinstance(r.get(k), (int, float))
-                                      for k in ("eval/pass_at_1", "eval/ci_low", "eval/ci_high"))]
+                                      for k in ("eval/pass_at_1", "eval/ci_low", "eval/ci_high", "eval/mean_reward"))]
+    # eval.before_train: the starting weights, drawn at step -1 (before the first step's update)
+    start = [{k.replace("eval_start/", "eval/"): v for k, v in r.items()} | {"step": -1}
+             for r in records if isinstance(r.get("eval_start/pass_at_1"), (int, float))][:1]
+    rows = start + rows
     xs = [r["step"] for r in rows]
     ax.plot(xs, [r["eval/pass_at_1"] for r in rows], marker="o", label="pass@1")
     ax.fill_between(xs, [r["eval/ci_low"] for r in rows], [r["eval/ci_high"] for r in rows], alpha=0.2,
                     label="95% CI (Wilson)")
-    ax.plot(*_series(records, "eval/mean_reward"), marker="s", label="mean reward")
+    ax.plot(xs, [r["eval/mean_reward"] for r in rows], marker="s", label="mean reward")
     ax.set(xlabel="trainer step", ylabel="held-out score", title="Held-out evaluation")
     ax.legend()
     return fig

@@ -60,6 +60,7 @@ class Trainer:
         self.logger = (MetricsLogger(self.run_dir, cfg.logging, run_name=self.run_dir.name,
                                      config_dict=to_dict(cfg)) if self.rank0 else None)
         self._stop_signal: int | None = None
+        self._start_eval: dict[str, float] = {}
         self.evaluator = (PeriodicEval.from_config(cfg.eval, self.c.task, cfg.data, cfg.rollout,
                                                    num_steps=cfg.run.num_steps) if self.rank0 else None)
         if self.offload:  # Megatron logs every move at INFO (four lines a step); its setup lines are done by now
@@ -86,6 +87,8 @@ class Trainer:
             self._start_rollout(state)
             if state is None and self.c.critic is not None and self.cfg.critic.pretrain_steps:
                 self._pretrain_critic()
+            if state is None and self.rank0:  # eval.before_train: logged with the first step
+                self._start_eval = self.evaluator.before_training(self.rollout, self.version)
             while self.step < self.cfg.run.num_steps:
                 self._log(self.train_step())
                 self.state.saves.poll()  # publishes a finished async checkpoint
@@ -257,7 +260,8 @@ class Trainer:
     def _log(self, metrics: dict[str, Any]) -> None:
         if self.rank0:  # logged under the 0-based index of the step just trained
             metrics |= self.rollout.metrics()
-            metrics |= self.evaluator.maybe_run(self.step, self.rollout, self.version)
+            metrics |= self.evaluator.maybe_run(self.step, self.rollout, self.version) | self._start_eval
+            self._start_eval = {}
             self.logger.log(self.step - 1, metrics)
 
     def _install_signal_handlers(self) -> None:

@@ -32,6 +32,7 @@ common:
   data.num_prompts: 400
   eval.interval: 1
   eval.num_prompts: 8
+  eval.before_train: true
 default: [sao]
 variants:
   sao: {{describe: smoke}}
@@ -55,6 +56,9 @@ def test_one_variant_study_runs_evaluates_and_resumes(tmp_path):
     assert row["variant"] == "sao" and row["seeds"] == "1"
     assert 0.0 <= float(row["heldout_pass_at_1_mean"]) <= 1.0 and not math.isnan(float(row["final_reward_mean"]))
     assert (out / "plots" / "heldout_pass_at_1.png").is_file()
+    records = [json.loads(ln) for ln in (out / "sao" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    starts = [r for r in records if "eval_start/pass_at_1" in r]  # eval.before_train reached the trainer
+    assert [r["step"] for r in starts] == [0] and starts[0]["eval_start/num_prompts"] == 8
     again = _study(tmp_path, out)
     assert again.returncode == 0 and "start sao" not in again.stdout
     _eval_cli_matches_the_trainers_final_eval(out / "sao" / "seed0", tmp_path)

@@ -92,6 +92,12 @@ def test_periodic_eval_schedule_and_fields_reach_code():
     assert pe.maybe_run(4, _FakeRollout(task), 4)["eval/pass_at_1"] == 1.0
     off = PeriodicEval(EvalConfig(), task, DataConfig(), max_new_tokens=4, num_steps=10)
     assert not any(off.due(s) for s in range(11)) and off.prompts == []
+    assert pe.before_training(_FakeRollout(task), 0) == {}  # eval.before_train off
+    start = PeriodicEval(EvalConfig(num_prompts=5, before_train=True), task,
+                         DataConfig(task="tool_chain", max_turns=3, max_total_tokens=64), max_new_tokens=12, num_steps=10)
+    assert not any(start.due(s) for s in range(11)) and len(start.prompts) == 5  # interval 0: only the start
+    m = start.before_training(_FakeRollout(task), 0)
+    assert m["eval_start/pass_at_1"] == 1.0 and m["eval_start/num_prompts"] == 5 and "eval/pass_at_1" not in m
     with pytest.raises(ValueError, match="eval: need interval >= 0"):
         PeriodicEval(EvalConfig(interval=-1), task, DataConfig(), max_new_tokens=4, num_steps=10)
 
@@ -115,3 +121,22 @@ def test_report_draws_heldout_eval_only_when_present(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     written = {p.name: p for p in write_report(tmp_path, tmp_path / "r2")}
     assert written["heldout_eval.png"].stat().st_size > 1000
+    # eval.before_train: the starting point is drawn first, at step -1
+    recs[0] |= {"eval_start/pass_at_1": 0.1, "eval_start/ci_low": 0.0, "eval_start/ci_high": 0.3,
+                "eval_start/mean_reward": 0.2}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    from sao_megatron.training import report
+
+    drawn = []
+    real = report._eval_figure
+
+    def spy(plt, records):
+        fig = real(plt, records)
+        drawn.append([list(line.get_xdata()) for line in fig.axes[0].get_lines()])
+        return fig
+    report._eval_figure = spy
+    try:
+        write_report(tmp_path, tmp_path / "r3")
+    finally:
+        report._eval_figure = real
+    assert drawn == [[[-1, 5], [-1, 5]]]

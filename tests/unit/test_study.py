@@ -75,7 +75,12 @@ def test_run_stats_by_hand():
     s = run_stats(_records(rewards, entropy=[2.0] * 2 + [1.0] * 16 + [0.5] * 2, evals={9: 0.2, 19: 0.4},
                            ev=[0.5] * 16 + [0.1, 0.2, 0.3, 0.4]), threshold=0.5, online=False)
     assert s["heldout_pass_at_1"] == 0.4
+    assert s["heldout_gain"] == pytest.approx(0.4 - 0.2)  # from the first evaluation
     assert s["final_reward"] == pytest.approx((1.8 + 1.9) / 2)
+    assert s["reward_gain"] == pytest.approx((1.8 + 1.9) / 2 - (0.0 + 0.1) / 2)
+    recs = _records(rewards, evals={9: 0.2, 19: 0.4})
+    recs[0]["eval_start/pass_at_1"] = 0.05  # eval.before_train: gains count from the starting weights
+    assert run_stats(recs, threshold=0.5, online=False)["heldout_gain"] == pytest.approx(0.35)
     # trailing 5-mean of 0.1*i reaches 0.5 at i=7 ((0.3+...+0.7)/5) -> 8 steps
     assert s["steps_to_threshold"] == 8
     assert s["entropy_ratio"] == pytest.approx(0.5 / 2.0)
