@@ -19,16 +19,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 STEPS = 80  # ~1.3 s a step: the run must outlast an engine restart (20-60 s on a loaded 2-core box)
 
 
-def run_with_engine_fault(run_dir, sig: int) -> tuple[subprocess.CompletedProcess, int]:
-    overrides = [f"run.num_steps={STEPS}", "checkpoint.save_interval=20", "data.num_prompts=1000"]
+def run_with_engine_fault(run_dir, sig: int, *extra: str) -> tuple[subprocess.CompletedProcess, int]:
+    overrides = [f"run.num_steps={STEPS}", "checkpoint.save_interval=20", "data.num_prompts=1000", *extra]
     proc = subprocess.Popen(train_cmd(run_dir, *overrides), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.time() + 400
         while time.time() < deadline:
-            # Two weight pushes done: RL is running (metrics.jsonl may be written in bursts).
-            if any(int(p.name[1:]) >= 2 for p in (run_dir / "weights").glob("v[0-9]*") if p.is_dir()):
+            if rl_running(run_dir):
                 break
             assert proc.poll() is None, "training ended before the fault"
             time.sleep(0.3)
@@ -42,6 +41,15 @@ def run_with_engine_fault(run_dir, sig: int) -> tuple[subprocess.CompletedProces
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), victim
+
+
+def rl_running(run_dir) -> bool:
+    """Two weight pushes done: a disk push leaves weights/vNNNNNN; a distributed one only metrics
+    (metrics.jsonl may be written in bursts, so either will do)."""
+    if any(int(p.name[1:]) >= 2 for p in (run_dir / "weights").glob("v[0-9]*") if p.is_dir()):
+        return True
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.is_file() and metrics.read_text().count("\n") >= 2
 
 
 def engine_pids(trainer_pid: int) -> list[int]:
@@ -74,6 +82,17 @@ def test_sigkilled_engine_is_restarted_and_the_run_completes(tmp_path):
     check_recovered(run_dir, result, victim)
 
 
+def test_sigkilled_engine_rejoins_the_distributed_weight_sync(tmp_path):
+    """rollout.weight_sync=distributed: the restarted engine gets new update groups from the trainer
+    (every rank) before the next push, and is routed to only after that push reached it."""
+    run_dir = tmp_path / "sigkill_distributed"
+    result, victim = run_with_engine_fault(run_dir, signal.SIGKILL, "rollout.weight_sync=distributed")
+    check_recovered(run_dir, result, victim)
+    metrics = metrics_by_step(run_dir)
+    assert all(m["rollout/weight_sync_bytes"] > 0 for m in metrics)
+    assert metrics[-1]["weight_sync/failed_engines"] == 0  # the last push reached both engines
+
+
 def test_sigstopped_engine_is_found_hung_killed_and_restarted(tmp_path):
     run_dir = tmp_path / "sigstop"
     result, victim = run_with_engine_fault(run_dir, signal.SIGSTOP)
@@ -89,7 +108,7 @@ def test_no_engine_left_checkpoints_and_stops_with_a_clear_error(tmp_path):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.time() + 400
-        while not any(int(p.name[1:]) >= 2 for p in (run_dir / "weights").glob("v[0-9]*") if p.is_dir()):
+        while not rl_running(run_dir):
             assert proc.poll() is None and time.time() < deadline, "RL did not start"
             time.sleep(0.3)
         for pid in engine_pids(proc.pid):
