@@ -181,6 +181,17 @@ def paired_table(rows: list[VariantRow]) -> list[str]:
     return lines
 
 
+def _curve(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """``key`` against step; held-out pass@1 starts with the starting weights' score (eval.before_train)
+    at step -1, i.e. 0 trained samples."""
+    steps, values = _series(records, key)
+    if key == "eval/pass_at_1":
+        _, start = _series(records, "eval_start/pass_at_1")
+        if start:
+            return [-1, *steps], [start[0], *values]
+    return steps, values
+
+
 def write_plots(plan: Plan, out: pathlib.Path) -> list[pathlib.Path]:
     """Training reward vs samples and held-out pass@1 vs samples, mean over seeds per variant."""
     import matplotlib
@@ -194,7 +205,7 @@ def write_plots(plan: Plan, out: pathlib.Path) -> list[pathlib.Path]:
                               ("eval/pass_at_1", "heldout_pass_at_1.png", "held-out pass@1")):
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for variant in dict.fromkeys(r.variant for r in plan.runs):
-            curves = [_series(_read(r.run_dir), key) for r in plan.runs if r.variant == variant]
+            curves = [_curve(_read(r.run_dir), key) for r in plan.runs if r.variant == variant]
             curves = [(xs, ys, r.batch_size) for (xs, ys), r in zip(curves, [r for r in plan.runs if r.variant == variant])
                       if ys]
             if not curves:

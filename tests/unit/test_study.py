@@ -152,3 +152,13 @@ def test_paired_table_differences_seed_by_seed():
     table = "\n".join(paired_table([ref, other]))
     assert "| grpo | 3 | " + f"{mean:.3f} ± {(high - low) / 2:.3f}" in table
     assert paired_table([ref]) == []
+
+
+def test_heldout_curve_starts_at_the_starting_weights():
+    from sao_megatron.study.summary import _curve
+
+    recs = _records([0.1] * 20, evals={9: 0.3, 19: 0.4})
+    assert _curve(recs, "eval/pass_at_1") == ([9, 19], [0.3, 0.4])
+    recs[0]["eval_start/pass_at_1"] = 0.2
+    assert _curve(recs, "eval/pass_at_1") == ([-1, 9, 19], [0.2, 0.3, 0.4])  # drawn at 0 trained samples
+    assert _curve(recs, "reward/mean")[0] == list(range(20))
