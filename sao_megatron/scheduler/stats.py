@@ -66,6 +66,7 @@ class RolloutStats:
             if url is not None:
                 open_now[url].append((start, now))
         out.update(self._utilisation(engine_urls, self._window_start, now, open_now))
+        self._busy.clear()
         out.update(stale_drop_by_length([s.num_action_tokens for s, _ in self._batch],
                                         [s.num_action_tokens for s, _ in self._dropped]))
         self._batch.clear()
@@ -111,13 +112,11 @@ class RolloutStats:
     def _utilisation(self, urls: list[str], t0: float, t1: float,
                      open_now: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
         if t1 <= t0 or not urls:
-            self._busy.clear()
             return {}
         utils = []
         for url in urls:
             busy = self._busy.get(url, []) + open_now.get(url, [])
             utils.append(min(1.0, _union_length(busy, t0, t1) / (t1 - t0)))
-        self._busy.clear()
         out = {f"rollout/engine_util/{i}": u for i, u in enumerate(utils)}
         out["rollout/engine_util_mean"] = sum(utils) / len(utils)
         out["rollout/engine_util_min"] = min(utils)

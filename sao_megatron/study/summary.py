@@ -51,14 +51,13 @@ def _tail(xs: list[float], frac: float) -> list[float]:
 def run_stats(records: list[dict], *, threshold: float, online: bool) -> dict[str, float]:
     """The per-run numbers of the table (NaN where a run has no such metric)."""
     steps, reward = _series(records, "reward/mean")
-    _, heldout = _series(records, "eval/pass_at_1")
-    _, start = _series(records, "eval_start/pass_at_1")  # eval.before_train: the starting weights
+    _, evals = _series(records, "eval/pass_at_1")
+    _, heldout = _curve(records, "eval/pass_at_1")  # the starting weights first with eval.before_train
     _, entropy = _series(records, "actor/entropy")
     hit = steps_to_threshold(steps, reward, threshold)
     head = reward[:max(1, len(reward) // 10)]
-    out = {"heldout_pass_at_1": heldout[-1] if heldout else math.nan,
-           "heldout_gain": heldout[-1] - start[0] if heldout and start else
-                           heldout[-1] - heldout[0] if len(heldout) >= 2 else math.nan,
+    out = {"heldout_pass_at_1": evals[-1] if evals else math.nan,
+           "heldout_gain": heldout[-1] - heldout[0] if evals and len(heldout) >= 2 else math.nan,
            "final_reward": _mean(_tail(reward, 0.1)),
            "reward_gain": _mean(_tail(reward, 0.1)) - _mean(head) if reward else math.nan,
            "steps_to_threshold": math.nan if hit is None else float(hit + 1),
