@@ -29,7 +29,7 @@ def _blocked_entries(paths: list[str]) -> dict[str, set[str]]:
     blocked: dict[str, set[str]] = {}
     for path in paths:
         parts = pathlib.Path(path).resolve().parts
-        for depth in range(1, len(parts) - 1):
+        for depth in range(1, len(parts)):  # every directory on the way, the path's own parent too
             parent = os.path.join(*parts[:depth])
             if not os.stat(parent).st_mode & 0o001:
                 blocked.setdefault(parent, set()).add(parts[depth])
@@ -40,13 +40,16 @@ def _blocked_entries(paths: list[str]) -> dict[str, set[str]]:
 def _rig(view: str) -> str:
     """Shell that re-exposes the blocked directories' needed entries through ``view``."""
     lines = ["set -e"]
-    needed = [sys.base_prefix, sys.prefix, os.path.realpath(sys.executable), str(REPO)]
+    # The checkout's own entries: a clone in a private directory (``mktemp -d`` makes it 0700) is
+    # re-exposed like /root is.
+    needed = [sys.base_prefix, sys.prefix, os.path.realpath(sys.executable), *map(str, REPO.iterdir())]
     for k, (parent, entries) in enumerate(sorted(_blocked_entries(needed).items())):
         top = f"{view}/{k}"
         lines.append(f"mkdir -m 755 {top}")
         for entry in sorted(entries):
-            src, dst = shlex.quote(os.path.join(parent, entry)), shlex.quote(f"{top}/{entry}")
-            lines += [f"mkdir {dst}", f"mount --rbind {src} {dst}"]
+            path = os.path.join(parent, entry)
+            src, dst = shlex.quote(path), shlex.quote(f"{top}/{entry}")
+            lines += [f"mkdir {dst}" if os.path.isdir(path) else f": > {dst}", f"mount --rbind {src} {dst}"]
         lines.append(f"mount --rbind {top} {shlex.quote(parent)}")
     return "\n".join(lines)
 
