@@ -126,3 +126,15 @@ def test_a_changed_knob_reaches_the_loss(monkeypatch):
     finally:
         KNOBS["dis"]["eps_high"] = 0.4
     assert any(not torch.equal(a, b) for a, b in zip(knobbed, default))
+
+
+@pytest.mark.parametrize("section", ["dis", "ppo_clip"])
+def test_each_loss_reports_the_metrics_its_row_names(section):
+    g = torch.Generator().manual_seed(3)
+    lp, behaviour, adv = (torch.randn(4, 6, generator=g) for _ in range(3))
+    mask = torch.ones(4, 6)
+    knobs = KNOBS[section] | ({"dual_clip": 1.5} if section == "ppo_clip" else {})
+    _, metrics = LOSS_FN[section](lp, behaviour, adv, mask, num_tokens=24, **knobs)
+    ours = set(next(p.logs for p in (o.loss for o in OBJECTIVES.values()) if p.section == section))
+    others = {k for o in OBJECTIVES.values() if o.loss.section != section for k in o.loss.logs}
+    assert ours <= set(metrics) and not others & set(metrics), (ours, others, sorted(metrics))
