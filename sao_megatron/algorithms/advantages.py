@@ -298,6 +298,16 @@ def grpo_advantages(outcome_rewards: torch.Tensor, group_ids: torch.Tensor, *, e
     return centred / (std[group] + eps)
 
 
+def running_mean_advantages(outcome_rewards: torch.Tensor, group_ids: torch.Tensor | None = None, *,
+                            baseline: RunningMeanBaseline) -> torch.Tensor:
+    """``[N] -> [N]``: rewards minus ``baseline`` as it stood before this batch, then the batch folded
+    into it (the paper's running-mean ablation). ``group_ids`` is not read: the signature is that of
+    ``grpo_advantages``, so the objectives table calls either the same way."""
+    out = baseline.advantages(outcome_rewards)
+    baseline.update(outcome_rewards)
+    return out
+
+
 class RunningMeanBaseline:
     """Running-mean reward baseline, the paper's ablation in place of the critic.
 
@@ -340,7 +350,7 @@ class RunningMeanBaseline:
     def load_state_dict(self, state: dict) -> None:
         if state.get("momentum") != self.momentum:
             raise ValueError(f"running-mean baseline checkpoint has momentum {state.get('momentum')}, "
-                             f"this run uses {self.momentum}; set algorithm.running_mean_momentum to match")
+                             f"this run uses {self.momentum}; set algorithm.running_mean.momentum to match")
         self.value, self.count = float(state["value"]), int(state["count"])
 
 

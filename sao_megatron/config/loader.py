@@ -184,6 +184,7 @@ def from_dict(cls: type[T], data: Any, *, where: str = "", source: str | Sources
                           f"got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    _refuse_moved_keys(cls, data, fields, where, src)
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         path = _join(where, str(unknown[0]))
@@ -197,6 +198,17 @@ def from_dict(cls: type[T], data: Any, *, where: str = "", source: str | Sources
         return cls(**kwargs)
     except TypeError as exc:  # a required field is missing
         raise ConfigError(f"{src.at(where)}: {where or '<root>'}: {exc}") from exc
+
+
+def _refuse_moved_keys(cls: type, data: dict[str, Any], fields: dict[str, dataclasses.Field], where: str,
+                       src: Sources) -> None:
+    """A key a class lists in ``MOVED_KEYS`` (an old spelling) is refused with where it lives now: an
+    unknown key, or a scalar where a section of the same name now stands (``algorithm.gae: token``)."""
+    moved = getattr(cls, "MOVED_KEYS", {})
+    for key, value in data.items():
+        if key in moved and (key not in fields or not isinstance(value, dict)):
+            path = _join(where, str(key))
+            raise ConfigError(f"{src.at(path)}: '{path}' is an old key: {moved[key]}")
 
 
 def _with_field_default(f: dataclasses.Field, value: Any) -> Any:

@@ -10,7 +10,7 @@ Megatron-core's own names (``TransformerConfig`` / ``ModelParallelConfig`` /
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 cfg = dataclass(kw_only=True, slots=True)
 
@@ -230,39 +230,94 @@ class CriticConfig:
 
 
 @cfg
-class AlgorithmConfig:
-    """RL objective."""
+class GaeConfig:
+    """Token-level GAE on the critic's values: the advantage estimator of sao and ppo."""
 
-    name: Literal["sao", "grpo", "grpo_dis", "ppo", "sao_running_mean"] = "sao"
-    """sao: single rollout + DIS + critic; grpo: group advantages + PPO clip vs recomputed old log-probs;
-    grpo_dis: group advantages + DIS; ppo: critic + clip vs rollout log-probs; sao_running_mean: DIS + running-mean baseline."""
     gamma: float = 1.0
     """Discount."""
     lam: float = 1.0
     """GAE lambda."""
-    gae: Literal["skip_observation", "token"] = "skip_observation"
-    """Skip-observation token-level GAE (paper) or plain token-level GAE."""
+    skip_observations: bool = True
+    """Skip-observation token-level GAE (paper §3.2): observation tokens are not steps; false: plain token-level
+    GAE, whose critic also trains on the observation steps between turns."""
+
+
+@cfg
+class GroupAdvantageConfig:
+    """Group-normalised outcome advantages: the estimator of grpo and grpo_dis."""
+
+    normalize_std: bool = True
+    """Divide by the group's reward std (GRPO); false: R minus the group mean only."""
+
+
+@cfg
+class RunningMeanConfig:
+    """Outcome minus a running-mean reward baseline: the estimator of sao_running_mean (the paper's ablation)."""
+
+    momentum: float | None = 0.99
+    """Exponential running mean with this momentum in [0, 1); null: the exact mean of every reward seen."""
+
+
+@cfg
+class DisConfig:
+    """Direct double-sided importance sampling against the rollout log-probs: the loss of sao, grpo_dis,
+    sao_running_mean."""
+
     eps_low: float = 0.3
-    """DIS lower band: tokens with ratio < 1 - eps_low are masked (math 0.3, coding 0.8)."""
+    """Lower band: tokens with ratio < 1 - eps_low are masked (math 0.3, coding 0.8)."""
     eps_high: float = 5.0
-    """DIS upper band: tokens with ratio > 1 + eps_high are masked (math 5.0, coding 3.0)."""
+    """Upper band: tokens with ratio > 1 + eps_high are masked (math 5.0, coding 3.0)."""
+
+
+@cfg
+class PpoClipConfig:
+    """PPO's clipped surrogate: the loss of ppo (vs rollout log-probs) and grpo (vs the old policy)."""
+
     clip_low: float = 0.2
-    """PPO/GRPO clip (lower)."""
+    """Lower clip: the ratio is clipped at 1 - clip_low."""
     clip_high: float = 0.28
-    """PPO/GRPO clip (upper)."""
+    """Upper clip: the ratio is clipped at 1 + clip_high (DAPO's clip-higher)."""
     dual_clip: float | None = None
-    """Dual-clip constant c (> 1) for negative advantages; None disables."""
+    """Dual-clip constant c (> 1) bounding the loss of negative advantages at -c * A; null disables."""
+
+
+@cfg
+class AlgorithmConfig:
+    """RL objective: the shared knobs, and one section per advantage estimator and policy loss. A section
+    the chosen objective does not use must keep its defaults (validation refuses a changed one)."""
+
+    name: Literal["sao", "grpo", "grpo_dis", "ppo", "sao_running_mean"] = "sao"
+    """sao: single rollout + DIS + critic; grpo: group advantages + PPO clip vs recomputed old log-probs;
+    grpo_dis: group advantages + DIS; ppo: critic + clip vs rollout log-probs; sao_running_mean: DIS + running-mean
+    baseline (table: sao_megatron/algorithms/objectives.py)."""
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
-    """Loss aggregation over the global batch."""
+    """Policy-loss aggregation over the global batch (every objective)."""
     group_size: int = 8
-    """G: rollouts per prompt for group algorithms."""
-    running_mean: Literal["exact", "exponential"] = "exponential"
-    """Running-mean baseline of sao_running_mean (the paper's ablation): exact (mean of every reward seen so
-    far) or exponential (running_mean_momentum)."""
-    running_mean_momentum: float = 0.99
-    """Momentum of the exponential running-mean baseline (algorithm.running_mean=exponential)."""
-    normalize_group_std: bool = True
-    """Divide group advantages by the group std (GRPO)."""
+    """G: rollouts per prompt whenever samples come in groups (scheduler.mode group or sync; auto picks group
+    for grpo and grpo_dis)."""
+    gae: GaeConfig = field(default_factory=GaeConfig)
+    """GAE knobs (sao, ppo)."""
+    group: GroupAdvantageConfig = field(default_factory=GroupAdvantageConfig)
+    """Group-advantage knobs (grpo, grpo_dis)."""
+    running_mean: RunningMeanConfig = field(default_factory=RunningMeanConfig)
+    """Running-mean baseline knobs (sao_running_mean)."""
+    dis: DisConfig = field(default_factory=DisConfig)
+    """DIS loss knobs (sao, grpo_dis, sao_running_mean)."""
+    ppo_clip: PpoClipConfig = field(default_factory=PpoClipConfig)
+    """PPO clip loss knobs (ppo, grpo)."""
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "gamma": "write algorithm.gae.gamma", "lam": "write algorithm.gae.lam",
+        "gae": "algorithm.gae is a section now: write algorithm.gae.skip_observations: true (skip_observation) or "
+               "false (token)",
+        "eps_low": "write algorithm.dis.eps_low", "eps_high": "write algorithm.dis.eps_high",
+        "clip_low": "write algorithm.ppo_clip.clip_low", "clip_high": "write algorithm.ppo_clip.clip_high",
+        "dual_clip": "write algorithm.ppo_clip.dual_clip",
+        "normalize_group_std": "write algorithm.group.normalize_std",
+        "running_mean": "algorithm.running_mean is a section now: write algorithm.running_mean.momentum: 0.99 "
+                        "(exponential) or null (exact)",
+        "running_mean_momentum": "write algorithm.running_mean.momentum",
+    }
+    """Keys of the flat algorithm section before it was nested, with what to write now (read by the loader)."""
 
 
 @cfg

@@ -7,9 +7,11 @@ is optional: without it only layout-internal constraints are checked.
 
 from __future__ import annotations
 
-from sao_megatron.algorithms.objectives import objective
+import dataclasses
+
+from sao_megatron.algorithms.objectives import OBJECTIVES, objective, users_of
 from sao_megatron.config.loader import ConfigError
-from sao_megatron.config.schema import ExperimentConfig, ModelConfig, ParallelConfig, ResourcesConfig
+from sao_megatron.config.schema import AlgorithmConfig, ExperimentConfig, ModelConfig, ParallelConfig, ResourcesConfig
 
 
 def validate(cfg: ExperimentConfig, *, world_size: int | None = None, source: str = "config") -> None:
@@ -126,34 +128,15 @@ def check_training(cfg: ExperimentConfig) -> list[str]:
                     f"{sched.batch_size}: a mini-batch needs at least one sample")
     if critic.num_updates_per_step < 1:
         errs.append(f"critic.num_updates_per_step={critic.num_updates_per_step} must be >= 1 (paper: K=2)")
-    obj = objective(alg.name)
-    if obj.critic and not critic.enabled:
+    if objective(alg.name).critic and not critic.enabled:
         errs.append(f"algorithm.name={alg.name} needs a value model: set critic.enabled=true")
-    if obj.grouped:
-        if resolved_mode(cfg) == "single":
-            errs.append(f"algorithm.name={alg.name} needs groups: set scheduler.mode=group (or sync)")
-        if alg.group_size < 2:
-            errs.append(f"algorithm.group_size={alg.group_size} must be >= 2 for {alg.name}")
-        if sched.batch_size % alg.group_size:
-            errs.append(f"scheduler.batch_size={sched.batch_size} must be a multiple of "
-                        f"algorithm.group_size={alg.group_size}")
+    errs += check_algorithm(cfg)
     errs += check_routing_replay(cfg)
     errs += check_engine_recovery(cfg.rollout.engine_restart_budget, cfg.rollout.no_engine_timeout_s)
-    if alg.running_mean == "exact" and alg.running_mean_momentum != 0.99:
-        errs.append("algorithm.running_mean_momentum applies to the exponential running mean only; remove it or "
-                    "set algorithm.running_mean=exponential")
-    if not (0 < alg.eps_low <= 1):
-        errs.append(f"algorithm.eps_low={alg.eps_low} must be in (0, 1]")
-    if alg.eps_high <= 0:
-        errs.append(f"algorithm.eps_high={alg.eps_high} must be > 0")
-    if alg.dual_clip is not None and alg.dual_clip <= 1:
-        errs.append(f"algorithm.dual_clip={alg.dual_clip} must be > 1")
     if sched.max_staleness < 0:
         errs.append("scheduler.max_staleness must be >= 0 (0 = on-policy)")
     if sched.batch_size < 1 or sched.concurrency < 1:
         errs.append("scheduler.batch_size and scheduler.concurrency must be >= 1")
-    if not 0 <= alg.gamma <= 1 or not 0 <= alg.lam <= 1:
-        errs.append("algorithm.gamma and algorithm.lam must be in [0, 1]")
     if cfg.data.max_total_tokens > cfg.model.max_position_embeddings:
         errs.append(f"data.max_total_tokens={cfg.data.max_total_tokens} exceeds "
                     f"model.max_position_embeddings={cfg.model.max_position_embeddings}: lower the budget")
@@ -170,6 +153,60 @@ def check_training(cfg: ExperimentConfig) -> list[str]:
         errs.append("resources.offload_idle_optimizer needs model.params_dtype bf16 or fp16: with fp32 params the "
                     "optimizer's params are the model's own weights, which forward passes need on the device")
     return errs
+
+
+def check_algorithm(cfg: ExperimentConfig) -> list[str]:
+    """The algorithm section: groups where the objective needs them, each section's ranges, and no knob
+    changed in a section the objective does not read (it would be accepted and do nothing)."""
+    alg, obj, errs = cfg.algorithm, objective(cfg.algorithm.name), []
+    grouped = resolved_mode(cfg) != "single"
+    if obj.grouped and not grouped:
+        errs.append(f"algorithm.name={alg.name} needs groups: set scheduler.mode=group (or sync)")
+    if obj.grouped and alg.group_size < 2:
+        errs.append(f"algorithm.group_size={alg.group_size} must be >= 2 for {alg.name}")
+    if grouped and alg.group_size >= 1 and cfg.scheduler.batch_size % alg.group_size:
+        errs.append(f"scheduler.batch_size={cfg.scheduler.batch_size} must be a multiple of "
+                    f"algorithm.group_size={alg.group_size}")
+    if not grouped and alg.group_size != _ALGORITHM_DEFAULTS.group_size:
+        errs.append(f"algorithm.group_size={alg.group_size} is set, but samples come one per prompt "
+                    f"(scheduler.mode resolves to single for algorithm.name={alg.name}): set it back to "
+                    f"{_ALGORITHM_DEFAULTS.group_size} (or remove it), or set scheduler.mode=group")
+    errs += _algorithm_ranges(alg)
+    return errs + [e for section in _SECTIONS if section not in obj.sections for e in _unused_knobs(alg, section)]
+
+
+def _algorithm_ranges(alg: AlgorithmConfig) -> list[str]:
+    errs = []
+    if not (0 <= alg.gae.gamma <= 1 and 0 <= alg.gae.lam <= 1):
+        errs.append("algorithm.gae.gamma and algorithm.gae.lam must be in [0, 1]")
+    if not 0 < alg.dis.eps_low <= 1:
+        errs.append(f"algorithm.dis.eps_low={alg.dis.eps_low} must be in (0, 1]")
+    if alg.dis.eps_high <= 0:
+        errs.append(f"algorithm.dis.eps_high={alg.dis.eps_high} must be > 0")
+    clip = alg.ppo_clip
+    if not (0 <= clip.clip_low <= 1 and clip.clip_high >= 0):
+        errs.append(f"algorithm.ppo_clip.clip_low={clip.clip_low} must be in [0, 1] and "
+                    f"algorithm.ppo_clip.clip_high={clip.clip_high} >= 0")
+    if clip.dual_clip is not None and clip.dual_clip <= 1:
+        errs.append(f"algorithm.ppo_clip.dual_clip={clip.dual_clip} must be > 1 (or null)")
+    momentum = alg.running_mean.momentum
+    if momentum is not None and not 0 <= momentum < 1:
+        errs.append(f"algorithm.running_mean.momentum={momentum} must be in [0, 1) (or null: the exact mean)")
+    return errs
+
+
+def _unused_knobs(alg: AlgorithmConfig, section: str) -> list[str]:
+    """Each knob of ``algorithm.<section>`` changed from its default while the objective does not read it."""
+    ours, default = getattr(alg, section), getattr(_ALGORITHM_DEFAULTS, section)
+    return [f"algorithm.{section}.{f.name}={getattr(ours, f.name)!r} is set, but algorithm.name={alg.name} does "
+            f"not read algorithm.{section} (read by {', '.join(users_of(section))}): set it back to "
+            f"{getattr(default, f.name)!r} (or remove it), or choose one of those objectives"
+            for f in dataclasses.fields(ours) if getattr(ours, f.name) != getattr(default, f.name)]
+
+
+_ALGORITHM_DEFAULTS = AlgorithmConfig()
+# The sections of the algorithm config, one per advantage estimator and policy loss of the objectives table.
+_SECTIONS = tuple(sorted({s for o in OBJECTIVES.values() for s in o.sections}))
 
 
 def check_routing_replay(cfg: ExperimentConfig) -> list[str]:

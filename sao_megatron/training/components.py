@@ -79,11 +79,11 @@ def build_components(cfg: ExperimentConfig, *, with_critic: bool = True) -> Comp
 
 
 def build_baseline(alg: AlgorithmConfig) -> RunningMeanBaseline | None:
-    """The paper's running-mean baseline (``algorithm.running_mean``: exact mean of every reward seen,
-    or exponential with ``running_mean_momentum``) for objectives that use one."""
-    if objective(alg.name).advantages != "running_mean":
+    """The paper's running-mean baseline (``algorithm.running_mean.momentum``: exponential, or null for the
+    exact mean of every reward seen) for objectives whose estimator uses one."""
+    if objective(alg.name).advantages.section != "running_mean":
         return None
-    return RunningMeanBaseline(momentum=None if alg.running_mean == "exact" else alg.running_mean_momentum)
+    return RunningMeanBaseline(momentum=alg.running_mean.momentum)
 
 
 def export_weights(c: Components) -> Iterator[tuple[str, torch.Tensor]]:

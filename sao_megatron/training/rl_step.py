@@ -7,7 +7,9 @@ from the whole batch, so gradients summed over micro-batches and DP ranks are
 exactly the global-batch objective (Megatron's ``calculate_per_token_loss``,
 see ``training.forward``). Advantages are computed per micro-batch: GAE is a
 per-row recursion, so no re-assembly of rows is needed. What an objective
-needs (critic, groups, estimator, loss) comes from ``algorithms.objectives``.
+needs and computes (critic, estimator, loss, the ratio's behaviour log-probs) is its row in
+``algorithms.objectives``: this module calls the row's functions with the knobs
+``objective_knobs`` reads from the row's config sections, and never asks which objective runs.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from sao_megatron.models.critic import token_values
 from sao_megatron.parallel.collectives import combine_metrics
 from sao_megatron.training.batch import LocalBatch, minibatch_groups
 from sao_megatron.training.forward import MicroBatch, compute_logprobs, compute_values
+from sao_megatron.training.objective_knobs import knobs
 from sao_megatron.training.optim import UpdateResult, optimizer_step
 
 log = logging.getLogger(__name__)
@@ -53,18 +56,14 @@ class PolicySettings:
 
 def outcome_advantages(batch: LocalBatch, alg: AlgorithmConfig,
                        baseline: adv_lib.RunningMeanBaseline | None) -> torch.Tensor | None:
-    """Per-sample advantages [B_global] on the batch's device for critic-free objectives
-    (from the whole batch: groups span DP ranks); None for critic objectives."""
-    rewards = batch.full["rewards"].float()
-    kind = objective(alg.name).advantages
-    if kind == "group":
-        out = adv_lib.grpo_advantages(rewards, batch.full["group_id"], normalize_std=alg.normalize_group_std)
-    elif kind == "running_mean":
-        assert baseline is not None, "the running-mean objective needs its baseline (build_baseline)"
-        out = baseline.advantages(rewards)
-        baseline.update(rewards)
-    else:
+    """Per-sample advantages [B_global] on the batch's device from the objective's outcome estimator
+    (from the whole batch: groups span DP ranks); None where the estimator is token-level on a critic's
+    values (``attach_advantages`` runs it per micro-batch)."""
+    est = objective(alg.name).advantages
+    if est.per_token:
         return None
+    rewards = batch.full["rewards"].float()
+    out = est.fn(rewards, batch.full["group_id"], **knobs(alg, est.section, baseline=baseline))
     return out.to(batch.device)
 
 
@@ -76,30 +75,28 @@ def attach_advantages(batch: LocalBatch, alg: AlgorithmConfig, values: Sequence[
     plain token-level GAE also at observation tokens (their own values, as standard GAE does), and
     then the value loss covers those observation steps too (``adv_lib.gae_value_mask``).
     """
-    skip = alg.gae == "skip_observation"
-    if values is not None:
-        batch.full["value_mask"] = adv_lib.gae_value_mask(batch.full["action_mask"], skip_observations=skip)
-    for i, mb in enumerate(batch.microbatches):
+    if values is None:  # an outcome estimator: the per-sample advantages on every action token
+        assert batch.outcome_advantages is not None, "outcome_advantages runs first"
+        for mb in batch.microbatches:
+            mb["advantages"] = batch.outcome_advantages[mb["row"]][:, None] * mb["action_mask"]
+        return
+    est = objective(alg.name).advantages
+    assert est.per_token, f"algorithm.name={alg.name} has no critic to take values from"
+    gae_knobs = knobs(alg, est.section)
+    skip = gae_knobs["skip_observations"]
+    batch.full["value_mask"] = adv_lib.gae_value_mask(batch.full["action_mask"], skip_observations=skip)
+    for mb, v in zip(batch.microbatches, values, strict=True):
         mask = mb["action_mask"]
-        if values is not None:
-            v = values[i]
-            adv, ret = adv_lib.gae(mb["token_rewards"], v, mask, gamma=alg.gamma, lam=alg.lam, skip_observations=skip)
-            value_mask = mask if skip else adv_lib.gae_value_mask(mask, skip_observations=False).to(mask.dtype)
-            mb["advantages"], mb["returns"], mb["old_values"], mb["value_mask"] = adv, ret, v * value_mask, value_mask
-        else:
-            assert batch.outcome_advantages is not None
-            mb["advantages"] = batch.outcome_advantages[mb["row"]][:, None] * mask
+        adv, ret = est.fn(mb["token_rewards"], v, mask, **gae_knobs)
+        value_mask = mask if skip else adv_lib.gae_value_mask(mask, skip_observations=False).to(mask.dtype)
+        mb["advantages"], mb["returns"], mb["old_values"], mb["value_mask"] = adv, ret, v * value_mask, value_mask
 
 
 def policy_loss(obj: Objective, alg: AlgorithmConfig, lp: torch.Tensor, mb: MicroBatch, counts: dict[str, int]):
-    """The configured policy objective on one micro-batch, normalised by global counts."""
-    common = dict(num_tokens=counts["num_tokens"], agg=alg.loss_agg, num_sequences=counts["num_sequences"])
-    if obj.policy_loss == "dis":
-        return loss_lib.dis_policy_loss(lp, mb["rollout_logprobs"], mb["advantages"], mb["action_mask"],
-                                        eps_low=alg.eps_low, eps_high=alg.eps_high, **common)
-    old = mb["old_logprobs"] if obj.ratio_against == "old_policy" else mb["rollout_logprobs"]
-    return loss_lib.ppo_clip_policy_loss(lp, old, mb["advantages"], mb["action_mask"], clip_low=alg.clip_low,
-                                         clip_high=alg.clip_high, dual_clip=alg.dual_clip, **common)
+    """The objective's policy loss on one micro-batch (ratio against its behaviour log-probs), normalised
+    by global counts."""
+    return obj.loss.fn(lp, mb[obj.ratio_against], mb["advantages"], mb["action_mask"], num_tokens=counts["num_tokens"],
+                       agg=alg.loss_agg, num_sequences=counts["num_sequences"], **knobs(alg, obj.loss.section))
 
 
 def actor_update(actor, batch: LocalBatch, alg: AlgorithmConfig, settings: PolicySettings, *, ctx) -> UpdateResult:
@@ -109,7 +106,7 @@ def actor_update(actor, batch: LocalBatch, alg: AlgorithmConfig, settings: Polic
     fractions), ``entropy`` and ``num_action_tokens`` (their weight when combined).
     """
     obj = objective(alg.name)
-    if obj.ratio_against == "old_policy":  # the policy before this batch's first step (recomputed, no grad)
+    if obj.needs_old_logprobs:  # the policy before this batch's first step (recomputed, no grad)
         old = compute_logprobs(actor.chunks, batch.microbatches, ctx=ctx, vocab_size=settings.vocab_size,
                                temperature=settings.temperature)
         for mb, lp in zip(batch.microbatches, old):

@@ -96,8 +96,8 @@ def test_accepted_values(tmp_path, yaml_text, attr, expect):
 
 
 def test_int_to_float_only_for_float_fields(tmp_path):
-    cfg = load_config(write(tmp_path / "e.yaml", "algorithm: {eps_high: 5}\n"))
-    assert isinstance(cfg.algorithm.eps_high, float)
+    cfg = load_config(write(tmp_path / "e.yaml", "algorithm: {dis: {eps_high: 5}}\n"))
+    assert isinstance(cfg.algorithm.dis.eps_high, float)
 
 
 def test_union_keeps_exact_types(tmp_path):
@@ -146,11 +146,11 @@ def test_base_relative_to_including_file_and_deep_merge(tmp_path):
     f = write(tmp_path / "experiments" / "e.yaml", """
         _base_: ../models/m.yaml
         model: {num_layers: 3}
-        algorithm: {eps_low: 0.8}
+        algorithm: {dis: {eps_low: 0.8}}
     """)
     cfg = load_config(f)
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads) == (3, 96, 6)
-    assert cfg.run.seed == 7 and cfg.algorithm.eps_low == 0.8
+    assert cfg.run.seed == 7 and cfg.algorithm.dis.eps_low == 0.8
 
 
 def test_nested_bases_and_lists_in_order(tmp_path):
@@ -323,3 +323,38 @@ def test_config_cli_check_fails_with_exit_code_2(tmp_path, capsys):
     f = write(tmp_path / "e.yaml", "model: {num_layerz: 4}\n")
     assert main(["config", "check", "--config", str(f)]) == 2
     assert "num_layerz" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the algorithm section's old flat keys
+
+OLD_ALGORITHM_KEYS = [  # (old key: value, what the error must name)
+    ("gamma: 0.9", "algorithm.gae.gamma"), ("lam: 0.9", "algorithm.gae.lam"),
+    ("gae: token", "algorithm.gae.skip_observations: true (skip_observation) or false (token)"),
+    ("eps_low: 0.8", "algorithm.dis.eps_low"), ("eps_high: 3.0", "algorithm.dis.eps_high"),
+    ("clip_low: 0.2", "algorithm.ppo_clip.clip_low"), ("clip_high: 0.28", "algorithm.ppo_clip.clip_high"),
+    ("dual_clip: 3.0", "algorithm.ppo_clip.dual_clip"), ("normalize_group_std: false", "algorithm.group.normalize_std"),
+    ("running_mean: exact", "algorithm.running_mean.momentum: 0.99 (exponential) or null (exact)"),
+    ("running_mean_momentum: 0.9", "algorithm.running_mean.momentum"),
+]
+
+
+@pytest.mark.parametrize("old, new", OLD_ALGORITHM_KEYS)
+def test_an_old_flat_algorithm_key_names_its_new_place(tmp_path, old, new):
+    key = old.split(":")[0]
+    f = write(tmp_path / "e.yaml", f"algorithm:\n  {old}\n")
+    msg = error_of(f)
+    assert f"'algorithm.{key}' is an old key" in msg and new in msg and str(f) in msg, msg
+    msg = error_of(write(tmp_path / "empty.yaml", ""), [f"algorithm.{key}={old.split(': ')[1]}"])
+    assert f"'algorithm.{key}' is an old key" in msg and new in msg and "--set" in msg, msg
+
+
+def test_the_new_sections_load(tmp_path):
+    f = write(tmp_path / "e.yaml", """
+        algorithm:
+          name: sao_running_mean
+          running_mean: {momentum: null}
+          dis: {eps_low: 0.8, eps_high: 3}
+        critic: {enabled: false}
+    """)
+    alg = load_config(f).algorithm
+    assert (alg.running_mean.momentum, alg.dis.eps_low, alg.dis.eps_high) == (None, 0.8, 3.0)

@@ -226,11 +226,11 @@ def test_every_experiment_fits_at_its_stated_node_count(path):
 
 def test_paper_settings_in_experiments():
     sao = load_config(EXPERIMENTS / "sao-math-qwen3-30b-a3b.yaml")
-    assert (sao.scheduler.mode, sao.scheduler.batch_size, sao.algorithm.eps_low, sao.algorithm.eps_high) == (
+    assert (sao.scheduler.mode, sao.scheduler.batch_size, sao.algorithm.dis.eps_low, sao.algorithm.dis.eps_high) == (
         "single", 128, 0.3, 5.0)
     assert sao.critic.num_updates_per_step == 2 and "attention" not in sao.critic.trainable
     code = load_config(EXPERIMENTS / "sao-code-qwen3-30b-a3b-h200.yaml")
-    assert (code.algorithm.eps_low, code.algorithm.eps_high, code.resources.gpu_mem_gb) == (0.8, 3.0, 141)
+    assert (code.algorithm.dis.eps_low, code.algorithm.dis.eps_high, code.resources.gpu_mem_gb) == (0.8, 3.0, 141)
     grpo = load_config(EXPERIMENTS / "grpo-math-qwen3-30b-a3b.yaml")
     assert (grpo.algorithm.name, grpo.algorithm.group_size, grpo.scheduler.batch_size) == ("grpo", 8, 128)
     control = load_config(EXPERIMENTS / "grpo-dis-math-128x8-qwen3-30b-a3b.yaml")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sao_megatron.config import AlgorithmConfig
+from sao_megatron.config.schema import GaeConfig
 from sao_megatron.scheduler.sample import Sample
 from sao_megatron.training import rl_step
 from sao_megatron.training.batch import prepare_batch
@@ -42,7 +43,8 @@ def attach(gae: str, values_of, gamma=0.9, lam=0.8):
     batch = prepare_batch(multi_turn(), dp_rank=0, dp_size=1, pad_multiple=1, max_tokens=1 << 12, vocab_size=64,
                           device="cpu")
     values = [values_of(mb) for mb in batch.microbatches]
-    rl_step.attach_advantages(batch, AlgorithmConfig(gae=gae, gamma=gamma, lam=lam), values)
+    alg = AlgorithmConfig(gae=GaeConfig(skip_observations=gae == "skip_observation", gamma=gamma, lam=lam))
+    rl_step.attach_advantages(batch, alg, values)
     return batch, values
 
 
