@@ -19,11 +19,9 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-logger = logging.getLogger(__name__)
+from sao_megatron.models.arch import PARAM_GROUPS
 
-PARAM_GROUPS = ("routed_experts", "shared_experts", "router", "attention", "embedding", "norms", "dense_mlp",
-                "value_head", "lm_head")
-"""Every parameter belongs to exactly one of these; ``all`` selects them all."""
+logger = logging.getLogger(__name__)
 
 # (substring, group), first match wins. Fused TE norms ("linear_qkv.layer_norm_weight",
 # "linear_fc1.layer_norm_weight") are norms, not attention/MLP weights; q/k norms are attention

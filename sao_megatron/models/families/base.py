@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from sao_megatron.config.schema import ModelConfig
+from sao_megatron.models.arch import is_moe_layer
+from sao_megatron.models.arch import runs_indexer as dsa_runs_indexer
 
 
 class ConversionError(ValueError):
@@ -87,27 +89,6 @@ def mla_shape_symbols(cfg: ModelConfig) -> dict[str, int]:
         "O": nh * cfg.v_head_dim, "ID": cfg.dsa_indexer_head_dim or 0,
         "IN": cfg.dsa_indexer_n_heads or 0, "IQ": (cfg.dsa_indexer_n_heads or 0) * (cfg.dsa_indexer_head_dim or 0),
     }
-
-
-def dsa_runs_indexer(cfg: ModelConfig, layer: int) -> bool:
-    """Whether 0-based ``layer`` computes its own DSA top-k ("full") or reuses an earlier one ("shared").
-
-    HF (GLM-5 ``indexer_types``) and Megatron (``is_dsa_skip_topk_layer``) use the same schedule:
-    layer i is full iff max(i + 1 - max(offset, 1), 0) is a multiple of ``dsa_indexer_topk_freq``.
-    """
-    freq = cfg.dsa_indexer_topk_freq or 1
-    if freq <= 1:
-        return True
-    return max(layer + 1 - max(cfg.dsa_indexer_skip_topk_offset, 1), 0) % freq == 0
-
-
-def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Megatron's moe_layer_freq semantics (int: every n-th layer; list: 1 = MoE)."""
-    if cfg.num_moe_experts is None:
-        return False
-    if isinstance(cfg.moe_layer_freq, list):
-        return bool(cfg.moe_layer_freq[layer])
-    return layer % cfg.moe_layer_freq == 0
 
 
 def layer_conditions(cfg: ModelConfig, layer: int | None) -> frozenset[str]:
