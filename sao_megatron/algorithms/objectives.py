@@ -1,7 +1,7 @@
 """The table of training objectives: one row per ``algorithm.name``.
 
 Validation, the trainer and the RL step read what an objective needs from here
-instead of testing name strings in several places (DESIGN.md §1, "Baselines kept
+instead of testing name strings in several places (docs/architecture.md#baselines: "baselines kept
 in the same code").
 """
 
