@@ -31,6 +31,7 @@ from sao_megatron.config.validate import check_model, check_parallel
 from sao_megatron.models import mla_sizes
 from sao_megatron.models.arch import PARAM_GROUPS as GROUPS
 from sao_megatron.models.arch import VOCAB_DIVISIBLE_BY, moe_layer_mask, padded_vocab_size
+from sao_megatron.models.arch import head_dim as _head_dim
 
 GIB = 2**30
 OVERHEAD_GIB = 5.0
@@ -44,10 +45,6 @@ LOGITS_BYTES = 10
 
 def _norm_size(m: ModelConfig, dim: int) -> int:
     return 2 * dim if m.normalization == "LayerNorm" else dim
-
-
-def _head_dim(m: ModelConfig) -> int:
-    return m.kv_channels or m.hidden_size // m.num_attention_heads
 
 
 def layer_params(m: ModelConfig, moe: bool, *, tp: int = 1, ep: int = 1, etp: int = 1,

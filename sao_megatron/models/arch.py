@@ -2,8 +2,8 @@
 
 The layout planner (``launch/planner.py``), the model builder and its layer specs, the HF
 families (``models/families/``) and the critic all read these rules: which layers are MoE,
-which DSA layers run their own indexer, how many vocabulary rows Megatron allocates, and the
-parameter groups ``critic.trainable`` names. Each function takes any object with the
+which DSA layers run their own indexer, how many vocabulary rows Megatron allocates, the
+attention head dimension, and the parameter groups ``critic.trainable`` names. Each function takes any object with the
 ModelConfig field names, so Megatron's ``TransformerConfig`` (same names) works too.
 """
 
@@ -28,6 +28,12 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISI
     """
     multiple = divisible_by * tp
     return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def head_dim(cfg: Any) -> int:
+    """Per-head dimension of (non-MLA) attention: ``kv_channels``, or Megatron's default
+    ``hidden_size / num_attention_heads`` when it is None."""
+    return cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
 
 
 def is_moe_layer(cfg: Any, layer: int) -> bool:

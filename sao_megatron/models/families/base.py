@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from sao_megatron.config.schema import ModelConfig
+from sao_megatron.models import arch
 from sao_megatron.models.arch import is_moe_layer
 from sao_megatron.models.arch import runs_indexer as dsa_runs_indexer
 
@@ -68,7 +69,7 @@ def rule(mcore: str, hf: str | tuple[str, ...], shapes: tuple[str, ...] | tuple[
 
 def shape_symbols(cfg: ModelConfig) -> dict[str, int]:
     """Values of the symbols used in ``Rule.hf_shapes``."""
-    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = arch.head_dim(cfg)
     return {
         "V": cfg.vocab_size, "H": cfg.hidden_size, "D": head_dim,
         "Q": cfg.num_attention_heads * head_dim, "KV": cfg.num_query_groups * head_dim,
@@ -193,8 +194,7 @@ def _eval_dim(sym: str, table: dict[str, int]) -> int:
 
 
 def _groups(cfg: ModelConfig) -> tuple[int, int, int]:
-    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, head_dim
+    return cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, arch.head_dim(cfg)
 
 
 def qkv_to_mcore(cfg: ModelConfig, qkv: list[torch.Tensor], rows: int | None = None) -> torch.Tensor:
