@@ -498,3 +498,51 @@ def test_outside_reference_check_catches_a_comment(monkeypatch):
     monkeypatch.setattr(pathlib.Path, "is_file", lambda self: True)
     monkeypatch.setattr(pathlib.Path, "read_bytes", lambda self: source)
     assert outside_references([probe]) == [f"{rel(probe)}:2 mentions {OUTSIDE_REFERENCES[2]!r}"]
+
+
+# ---------------------------------------------------------------- 10. references into docs/ resolve
+
+DOC_REFERENCE = re.compile(r"(?<![\w/.-])(docs/[\w.-]+\.md)(?:#([\w-]+))?")
+MD_LINK = re.compile(r"\]\((?!\w+://)([^)\s#]*)(?:#([\w-]+))?\)")
+
+
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (outside code fences)."""
+    out, fenced = set(), False
+    for line in text.splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and re.match(r"#{1,6} ", line):
+            out.add(re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-"))
+    return out
+
+
+def broken_doc_references(files: list[pathlib.Path]) -> list[str]:
+    """References to ``docs/<page>.md#<anchor>`` in any file, and relative links of Markdown files,
+    that lead nowhere."""
+    bad = []
+    for path in files:
+        if not path.is_file() or path.suffix in {".png", ".jpg", ".ipynb"}:
+            continue
+        text = path.read_bytes().decode("utf-8", "replace")
+        refs = [(ROOT / m[1], m[2]) for m in DOC_REFERENCE.finditer(text)]
+        if path.suffix == ".md":
+            refs += [((path.parent / m[1]) if m[1] else path, m[2]) for m in MD_LINK.finditer(text)]
+        for target, anchor in refs:
+            if not target.exists():
+                bad.append(f"{rel(path)}: {rel(target.resolve())} does not exist")
+            elif anchor and target.suffix == ".md" and anchor not in heading_anchors(target.read_text()):
+                bad.append(f"{rel(path)}: {rel(target.resolve())} has no heading #{anchor}")
+    return bad
+
+
+def test_references_into_docs_resolve():
+    bad = broken_doc_references(tracked_files())
+    assert not bad, "references to pages or sections that do not exist:\n" + "\n".join(bad)
+
+
+def test_doc_reference_check_catches_a_missing_section(monkeypatch):
+    probe = LIB / "algorithms" / "__doc_probe__.py"
+    source = b"# GAE: docs/architecture.md#skip-observation-gae; DIS: docs/architecture.md#" + b"no-such-section\n"
+    monkeypatch.setattr(pathlib.Path, "read_bytes", lambda self: source)
+    monkeypatch.setattr(pathlib.Path, "is_file", lambda self: True)
+    assert broken_doc_references([probe]) == [f"{rel(probe)}: docs/architecture.md has no heading #no-such-section"]
