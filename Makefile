@@ -24,7 +24,7 @@ test-all:
 	@venv=$$(bash scripts/setup.sh | tail -n1) && \
 	  "$$venv/bin/python" -m pytest -m "not gpu" $(PYTEST_ARGS)
 
-# GPU acceptance check on one GPU of a node without network (README "On a GPU node"). Uses the
+# GPU acceptance check on one GPU of a node without network (docs/gpu-node.md). Uses the
 # node's CUDA python, not the CPU venv: WHEELS=DIR from scripts/gpu_wheels.sh, GPU_CHECK_ARGS=--cpu etc.
 gpu-check:
 	@bash scripts/gpu_check.sh $(if $(WHEELS),--wheels $(WHEELS)) $(GPU_CHECK_ARGS)

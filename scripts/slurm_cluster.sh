@@ -8,7 +8,7 @@
 #
 # Used by the tests marked `slurm` and by CI. Debian's slurm-wlm is built with
 # MULTIPLE_SLURMD, so one slurmd per emulated node (`slurmd -N nK`) runs on its own port.
-# Settings and the reasons for them: ../shared/notes/slurm-on-one-host.md.
+# Settings and the reasons for them: the comments below and slurm/README.md ("A real cluster on one machine").
 #
 # Network (SAO_SLURM_NET, default auto = netns when `ip netns add` works, else loopback):
 #   netns     each node nK is a network namespace `sao-nK` whose only interface `eth0` (a veth)

@@ -1,6 +1,6 @@
 """Advantage estimators: skip-observation token-level GAE, GRPO group advantages, running-mean baseline.
 
-Pure tensor maths (DESIGN.md §1). Tensors are ``[B, T]``: a batch of samples by trajectory tokens,
+Pure tensor maths (docs/architecture.md#the-algorithm). Tensors are ``[B, T]``: a batch of samples by trajectory tokens,
 padded with ``action_mask == 0``. Advantages are 0 wherever ``action_mask == 0``; returns are 0
 outside ``gae_value_mask`` (the action tokens, plus with plain token GAE the observation tokens
 between a row's first and last action: standard token-level GAE treats those as steps and trains
@@ -162,7 +162,7 @@ def _gae_block(rewards, values, maskf, gamma: float, lam: float, skip_observatio
     """GAE for one block of rows ``[b, T]`` into ``out = (advantages, returns)``."""
     slot, masked_values, u_c, values_c = _compact_block(rewards, values, maskf)
     if skip_observations:
-        # δ_k = r[a_k] + γ V[a_{k+1}] − V[a_k] over the compacted actions (DESIGN.md §1).
+        # δ_k = r[a_k] + γ V[a_{k+1}] − V[a_k] over compacted actions (docs/architecture.md#skip-observation-gae).
         delta = u_c.add_(values_c[:, 1:], alpha=gamma)
         adv = torch.gather(_scan(delta, gamma * lam, _CHUNK), 1, slot)
         torch.mul(adv, maskf, out=out[0])
@@ -202,7 +202,7 @@ def gae_impl_for(rewards: torch.Tensor) -> str:
 def gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, *, gamma: float, lam: float,
         skip_observations: bool = True, impl: str = "auto",
         out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-level GAE; skip-observation by default (DESIGN.md §1).
+    """Token-level GAE; skip-observation by default (docs/architecture.md#skip-observation-gae).
 
     rewards, values: ``[B, T]`` floating (values aligned like log-probs: ``V[t]`` is the state in which
     ``y_t`` is chosen); action_mask: ``[B, T]`` bool or 0/1. Any padding side works. All entries,

@@ -34,7 +34,7 @@ _MIN_ELEMENTS_PER_THREAD = 1 << 16
 
 @numba.njit(nogil=True, cache=True, fastmath={"contract"})
 def _gae_rows_kernel(rewards, values, mask, gamma, gamma_lam, skip_observations, advantages, returns, lo, hi):
-    """GAE for rows ``[lo, hi)``, walking each row backwards (DESIGN.md §1).
+    """GAE for rows ``[lo, hi)``, walking each row backwards (docs/architecture.md#skip-observation-gae).
 
     ``skip_observations``: over the action positions ``a_1 < … < a_K``, ``δ_k = r[a_k] + γ V[a_{k+1}]
     − V[a_k]`` with ``V[a_{K+1}] = 0``, ``Â_k = δ_k + γλ Â_{k+1}``, ``G_k = Â_k + V[a_k]``;

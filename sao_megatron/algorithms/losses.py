@@ -1,6 +1,6 @@
 """Policy and value losses: DIS (SAO), PPO/GRPO clip, clipped value loss, loss aggregation.
 
-Pure tensor maths (DESIGN.md §1). Per-token inputs are ``[B, T]``; only tokens with
+Pure tensor maths (docs/architecture.md#the-algorithm). Per-token inputs are ``[B, T]``; only tokens with
 ``action_mask == 1`` enter a loss. Normalisation comes in from outside: ``num_tokens`` (global
 action-token count) or ``num_sequences`` (global sample count) is the denominator over the whole
 global batch, so summing the losses of every micro-batch on every rank gives the global loss and
@@ -72,7 +72,7 @@ def dis_policy_loss(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, adva
                     action_mask: torch.Tensor, *, eps_low: float, eps_high: float, num_tokens: Count | None,
                     agg: str = "token_mean", num_sequences: Count | None = None
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Direct double-sided importance sampling policy loss (SAO, DESIGN.md §1).
+    """Direct double-sided importance sampling policy loss (SAO, docs/architecture.md#dis-policy-loss).
 
     logprobs: ``[B, T]`` log π_θ(y_t) (with gradient); rollout_logprobs: ``[B, T]`` log-probs the
     engine returned when it generated y_t; advantages ``[B, T]``. No old-policy forward pass:
@@ -146,7 +146,7 @@ def value_loss(values: torch.Tensor, returns: torch.Tensor, action_mask: torch.T
                num_tokens: Count | None, old_values: torch.Tensor | None = None, clip: float | None = None,
                agg: str = "token_mean", num_sequences: Count | None = None
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Critic loss ``½(V − G)²`` over action tokens (DESIGN.md §1), optionally clipped.
+    """Critic loss ``½(V − G)²`` over action tokens (docs/architecture.md#critic), optionally clipped.
 
     values: ``[B, T]`` critic outputs (with gradient); returns: GAE returns G (targets, detached).
     ``clip = ε``: ``V_clip = V_old + clip(V − V_old, −ε, ε)`` and ``ℓ = ½ max((V − G)², (V_clip − G)²)``

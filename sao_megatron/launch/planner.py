@@ -29,6 +29,9 @@ from collections.abc import Iterator
 from sao_megatron.config.schema import ExperimentConfig, ModelConfig, ParallelConfig, ResourcesConfig
 from sao_megatron.config.validate import check_model, check_parallel
 from sao_megatron.models import mla_sizes
+from sao_megatron.models.arch import PARAM_GROUPS as GROUPS
+from sao_megatron.models.arch import VOCAB_DIVISIBLE_BY, moe_layer_mask, padded_vocab_size
+from sao_megatron.models.arch import head_dim as _head_dim
 
 GIB = 2**30
 OVERHEAD_GIB = 5.0
@@ -36,36 +39,12 @@ OVERHEAD_GIB = 5.0
 USABLE_FRACTION = 0.9
 """A layout fits when the estimate stays under this share of GPU memory: the margin covers transient
 buffers the estimate leaves out (optimizer all-gather buckets, MoE permutation workspaces)."""
-VOCAB_DIVISIBLE_BY = 128
-"""Megatron's make_vocab_size_divisible_by (same as models.builder.VOCAB_DIVISIBLE_BY)."""
 LOGITS_BYTES = 10
 """Per token and local vocab entry: bf16 logits + fp32 softmax and its gradient."""
-GROUPS = ("embedding", "attention", "norms", "router", "dense_mlp", "shared_experts", "routed_experts",
-          "lm_head", "value_head")
-"""Parameter groups, as models.critic.PARAM_GROUPS names them (critic.trainable)."""
-
-
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
-    """Rows Megatron allocates for the vocab: next multiple of divisible_by * TP."""
-    multiple = divisible_by * tp
-    return math.ceil(vocab_size / multiple) * multiple
-
-
-def moe_layer_mask(m: ModelConfig) -> list[bool]:
-    """True for layers with routed experts (``moe_layer_freq`` as an int N: every N-th layer)."""
-    if m.num_moe_experts is None:
-        return [False] * m.num_layers
-    if isinstance(m.moe_layer_freq, list):
-        return [bool(x) for x in m.moe_layer_freq]
-    return [i % m.moe_layer_freq == 0 for i in range(m.num_layers)]
 
 
 def _norm_size(m: ModelConfig, dim: int) -> int:
     return 2 * dim if m.normalization == "LayerNorm" else dim
-
-
-def _head_dim(m: ModelConfig) -> int:
-    return m.kv_channels or m.hidden_size // m.num_attention_heads
 
 
 def layer_params(m: ModelConfig, moe: bool, *, tp: int = 1, ep: int = 1, etp: int = 1,
@@ -105,7 +84,7 @@ class ParamCount:
     active: int
     """Parameters one token uses: total minus the routed experts it is not sent to."""
     groups: dict[str, int]
-    """Per parameter group (see GROUPS)."""
+    """Per parameter group (see models.arch.PARAM_GROUPS)."""
 
 
 def count_params(m: ModelConfig, *, critic: bool = False, divisible_by: int = VOCAB_DIVISIBLE_BY) -> ParamCount:

@@ -14,7 +14,7 @@ and backward recomputes the softmax chunk by chunk into one gradient tensor of
 the logits' shape and dtype. The naive version keeps several fp32 [b, s, V]
 copies alive (see benchmarks/logprobs.py for the measured difference).
 
-Alignment (DESIGN.md §1): ``logprobs[:, t]`` is log π(y_t | y_<t), read from
+Alignment (docs/architecture.md#values): ``logprobs[:, t]`` is log π(y_t | y_<t), read from
 the logits at position ``t - 1``; position 0 has no prediction and gets 0.
 """
 

@@ -9,7 +9,6 @@ top-k scaling, QKV bias. Field names are Megatron's, so most are copied as is.
 from __future__ import annotations
 
 import logging
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,15 +17,13 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from sao_megatron.config.schema import ModelConfig, ParallelConfig
+from sao_megatron.models.arch import VOCAB_DIVISIBLE_BY, padded_vocab_size  # noqa: F401 (VOCAB_: re-exported)
 from sao_megatron.models.specs import decoder_block_spec, transformer_engine_usable
 
 if TYPE_CHECKING:
     from sao_megatron.parallel.bootstrap import ParallelContext
 
 logger = logging.getLogger(__name__)
-
-VOCAB_DIVISIBLE_BY = 128
-"""Padded vocab is a multiple of this times TP (Megatron's make_vocab_size_divisible_by default)."""
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,15 +39,6 @@ _PARALLEL_FIELDS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
     "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size", "sequence_parallel",
 )
-
-
-def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
-    """Vocab rows actually allocated: the next multiple of ``divisible_by * tp_size``.
-
-    Rows >= ``vocab_size`` are padding: log-probs mask them out (models.actor.token_logprobs).
-    """
-    multiple = divisible_by * tp_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")

@@ -4,7 +4,7 @@ The value head replaces GPTModel's ``output_layer`` so one ordinary forward
 returns per-position values [b, s, 1] (through GPTModel's own post-processing,
 pipeline schedules and checkpointing). ``token_values`` aligns them with the
 tokens exactly like the actor's log-probs: ``values[:, t]`` is the critic's
-output at the position that predicts ``y_t`` (DESIGN.md §1, "Values").
+output at the position that predicts ``y_t`` (docs/architecture.md#values).
 
 Parameter groups (``CriticConfig.trainable``) are recognised from Megatron
 parameter names, for both the local and the Transformer Engine specs.
@@ -19,15 +19,13 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-logger = logging.getLogger(__name__)
+from sao_megatron.models.arch import PARAM_GROUPS
 
-PARAM_GROUPS = ("routed_experts", "shared_experts", "router", "attention", "embedding", "norms", "dense_mlp",
-                "value_head", "lm_head")
-"""Every parameter belongs to exactly one of these; ``all`` selects them all."""
+logger = logging.getLogger(__name__)
 
 # (substring, group), first match wins. Fused TE norms ("linear_qkv.layer_norm_weight",
 # "linear_fc1.layer_norm_weight") are norms, not attention/MLP weights; q/k norms are attention
-# (DESIGN.md: frozen attention covers QKV, output projection and q/k norms).
+# (docs/architecture.md#critic: frozen attention covers QKV, output projection and q/k norms).
 _GROUP_RULES = (
     (".layer_norm_", "norms"),
     ("input_layernorm.", "norms"),

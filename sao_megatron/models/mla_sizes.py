@@ -10,12 +10,7 @@ the output projection are split. Whole-model counts (tp=1) do not depend on the 
 from __future__ import annotations
 
 from sao_megatron.config.schema import ModelConfig
-
-
-def runs_indexer(m: ModelConfig, layer: int) -> bool:
-    """Layer ``layer`` (0-based) has its own DSA indexer (not a skip-top-k layer)."""
-    freq = m.dsa_indexer_topk_freq or 1
-    return freq <= 1 or max(layer + 1 - max(m.dsa_indexer_skip_topk_offset, 1), 0) % freq == 0
+from sao_megatron.models.arch import runs_indexer
 
 
 def indexer_params(m: ModelConfig) -> int:

@@ -34,6 +34,8 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from sao_megatron.models.arch import moe_layer_mask
+
 
 def transformer_engine_usable(device: torch.device | None = None) -> bool:
     """TE specs need both the TE package and a CUDA training device (``device``: the run's, from
@@ -95,16 +97,6 @@ def local_layer_spec(config: TransformerConfig, *, moe: bool) -> ModuleSpec:
         sharded_state_dict_keys_map=keys_map))
 
 
-def moe_layer_pattern(config: TransformerConfig) -> list[int]:
-    """1 for an MoE layer, 0 for a dense one, per global layer index."""
-    if config.num_moe_experts is None:
-        return [0] * config.num_layers
-    freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
-    return list(freq)
-
-
 def decoder_block_spec(config: TransformerConfig, *, use_te: bool, pp_rank: int,
                        vp_stage: int | None) -> TransformerBlockSubmodules:
     """Layer specs of the layers this (pp_rank, vp_stage) builds, plus the final norm."""
@@ -114,7 +106,7 @@ def decoder_block_spec(config: TransformerConfig, *, use_te: bool, pp_rank: int,
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization=config.normalization,
                                           vp_stage=vp_stage, pp_rank=pp_rank)
     specs = {0: local_layer_spec(config, moe=False), 1: local_layer_spec(config, moe=True)}
-    layers = [specs[kind] for kind in moe_layer_pattern(config)]
+    layers = [specs[kind] for kind in moe_layer_mask(config)]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=layers[offset: offset + count], layer_norm=LocalNorm)
@@ -283,7 +275,7 @@ def latent_decoder_block_spec(config: TransformerConfig, *, use_te: bool, pp_ran
             config, use_transformer_engine=True, normalization=config.normalization, vp_stage=vp_stage,
             pp_rank=pp_rank), config)
     specs = {0: local_mla_layer_spec(config, moe=False), 1: local_mla_layer_spec(config, moe=True)}
-    layers = [specs[kind] for kind in moe_layer_pattern(config)]
+    layers = [specs[kind] for kind in moe_layer_mask(config)]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=layers[offset: offset + count], layer_norm=LocalNorm)

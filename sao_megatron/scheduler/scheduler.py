@@ -1,4 +1,4 @@
-"""Asynchronous single-rollout scheduler (DESIGN.md §2): admission under a staleness limit, a FIFO
+"""Asynchronous single-rollout scheduler (docs/architecture.md#staleness): admission under a staleness limit, a FIFO
 of finished samples, partial rollouts across weight updates, exactly-once resume.
 
 Definitions (B = ``sched_cfg.batch_size``, η = ``max_staleness``, v = trainer version):

@@ -1,6 +1,6 @@
 """`sao-megatron train`: the SAO loop on Megatron actor + critic with asynchronous rollouts.
 
-Per step (DESIGN.md §1–2): take the first B finished samples → critic values →
+Per step (docs/architecture.md#the-loop): take the first B finished samples → critic values →
 skip-observation GAE → actor DIS step → K critic steps → stream the actor's
 weights to the engines (version + 1). Rank 0 owns the rollout side; every rank
 trains its data-parallel shard of the same batch. Parts are built by

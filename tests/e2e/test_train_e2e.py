@@ -1,7 +1,7 @@
 """End to end: the real trainer (Megatron actor + critic on gloo), real embedded engines over HTTP.
 
 Small step counts keep this within the CI budget; the reward-learning run itself is the main
-job (`make run`) and is measured in the README, not asserted here.
+job (`make run`) and is measured in docs/benchmarks.md, not asserted here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Slow, obviously-correct reference implementations for the algorithms unit tests.
 
 Plain Python loops over Python floats, one row and one token at a time, written straight from
-DESIGN.md §1 and sharing no code with sao_megatron.algorithms.
+docs/architecture.md#the-algorithm and sharing no code with sao_megatron.algorithms.
 """
 
 from __future__ import annotations

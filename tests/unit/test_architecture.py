@@ -1,11 +1,14 @@
-"""Architecture rules from STYLE.md, checked on the source tree.
+"""Architecture rules of docs/contributing.md and docs/architecture.md, checked on the source tree.
 
 - every YAML under configs/ loads as an ExperimentConfig and validates;
 - sao_megatron/algorithms is pure tensor maths (no megatron, torch.distributed, config objects);
 - the library never imports configs/, slurm/, checkpoints_tools/, tests/ (the lazy `_VERBS`
   string table in sao_megatron/cli.py is the one place that may name such modules);
 - every config dataclass field carries a docstring (a string literal right under it);
-- no print() in the library outside cli modules.
+- no print() in the library outside cli modules;
+- imports only point down the floors (docs/architecture.md#the-floor-rule) and form no circle;
+- every config field is read by the library;
+- the repository refers to nothing outside itself.
 """
 
 from __future__ import annotations
@@ -351,3 +354,195 @@ def test_unread_field_detector_catches_a_field_nothing_reads():
     assert "num_layers" in reads and "weight_sync_bucket_mb" in reads
     reads.discard("weight_sync_bucket_mb")
     assert unread_fields(reads) == ["RolloutConfig.weight_sync_bucket_mb"]
+
+
+# ---------------------------------------------------------------- 8. no import circle
+
+# Imports that still close a circle, each with the move that breaks it: the check runs without
+# them, and fails when one no longer closes a circle, so the list only shrinks.
+KNOWN_CIRCLE_IMPORTS = {
+    # write_hf_template lazily imports the family registry (families/__init__), which imports
+    # hf_config: it belongs beside hf_config_from_model in the registry (callers: training/, launch/).
+    ("sao_megatron.models.families.hf_config", "sao_megatron.models.families"),
+    # The reward worker imports the whole envs package to load the reward functions before it
+    # times them, and envs/__init__ imports rewards.
+    ("sao_megatron.envs.rewards", "sao_megatron.envs"),
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(files: list[pathlib.Path]) -> dict[str, set[str]]:
+    """module -> the library modules it imports (every import: module level, lazy, TYPE_CHECKING).
+
+    ``from pkg import sub`` depends on the module ``pkg.sub``; ``from mod import name`` on ``mod``.
+    """
+    modules = {module_name(p): p for p in files}
+
+    def owner(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(parse(path)):
+            if isinstance(node, ast.Import):
+                targets |= {owner(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets |= {owner(f"{node.module}.{a.name}") for a in node.names}
+        graph[name] = {t for t in targets if t.startswith("sao_megatron") and t != name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = [stack.pop()]
+            while comp[-1] != v:
+                comp.append(stack.pop())
+            if len(comp) > 1:
+                circles.append(tuple(sorted(comp)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(circles)
+
+
+def test_no_import_circle_among_the_library_modules():
+    graph = import_graph(lib_files())
+    for importer, imported in KNOWN_CIRCLE_IMPORTS:
+        assert any({importer, imported} <= set(c) for c in import_circles(graph)), \
+            f"{importer} -> {imported} closes no circle any more: remove it from KNOWN_CIRCLE_IMPORTS"
+        graph[importer].discard(imported)
+    circles = import_circles(graph)
+    assert not circles, "modules that import each other (move what both need into a module both import):\n" + \
+        "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_circle_finder_matches_a_brute_force_reachability():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
+
+    def reach(v: str) -> set[str]:
+        seen, todo = set(), [v]
+        while todo:
+            for w in graph.get(todo.pop(), ()):
+                if w not in seen:
+                    seen.add(w)
+                    todo.append(w)
+        return seen
+
+    slow = {tuple(sorted({v} | {w for w in reach(v) if v in reach(w)})) for v in graph if v in reach(v)}
+    assert import_circles(graph) == sorted(slow) == [("a", "b", "c"), ("d", "e")]
+
+
+def test_import_graph_follows_lazy_imports_of_submodules(monkeypatch, tmp_path):
+    sources = {"server": "def f():\n    from sao_megatron.rollout.engine import routes\n",
+               "routes": "from sao_megatron.rollout.engine.server import json_body\n"}
+    files = [LIB / "rollout" / "engine" / f"{n}.py" for n in sources]
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self, *a, **k: sources[self.stem])
+    assert import_circles(import_graph(files)) == [("sao_megatron.rollout.engine.routes",
+                                                    "sao_megatron.rollout.engine.server")]
+
+
+# ---------------------------------------------------------------- 9. the repository is self-contained
+
+# Built from pieces so that this file does not match itself.
+OUTSIDE_REFERENCES = ("../" + "shared", "steering" + " repo", "DESIGN" + ".md", "STYLE" + ".md")
+
+
+def tracked_files() -> list[pathlib.Path]:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60)
+    assert out.returncode == 0, f"the tests need a git checkout: {out.stderr.decode()}"
+    return [ROOT / name for name in out.stdout.decode().split("\0") if name]
+
+
+def outside_references(files: list[pathlib.Path]) -> list[str]:
+    bad = []
+    for path in files:
+        if not path.is_file():
+            continue  # deleted in the working tree, not yet in the index
+        for line_no, line in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(), 1):
+            bad += [f"{rel(path)}:{line_no} mentions {ref!r}" for ref in OUTSIDE_REFERENCES if ref in line]
+    return bad
+
+
+def test_no_tracked_file_refers_outside_the_repository():
+    """Design and rules live in docs/ (architecture.md, contributing.md): a clone alone has them."""
+    bad = outside_references(tracked_files())
+    assert not bad, "point these at docs/architecture.md or docs/contributing.md instead:\n" + "\n".join(bad)
+
+
+def test_outside_reference_check_catches_a_comment(monkeypatch):
+    probe = LIB / "models" / "__ref_probe__.py"
+    source = ("x = 1\n" + "y = 2  # see " + "DESIGN" + ".md section 1\n").encode()
+    monkeypatch.setattr(pathlib.Path, "is_file", lambda self: True)
+    monkeypatch.setattr(pathlib.Path, "read_bytes", lambda self: source)
+    assert outside_references([probe]) == [f"{rel(probe)}:2 mentions {OUTSIDE_REFERENCES[2]!r}"]
+
+
+# ---------------------------------------------------------------- 10. references into docs/ resolve
+
+DOC_REFERENCE = re.compile(r"(?<![\w/.-])(docs/[\w.-]+\.md)(?:#([\w-]+))?")
+MD_LINK = re.compile(r"\]\((?!\w+://)([^)\s#]*)(?:#([\w-]+))?\)")
+
+
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (outside code fences)."""
+    out, fenced = set(), False
+    for line in text.splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and re.match(r"#{1,6} ", line):
+            out.add(re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-"))
+    return out
+
+
+def broken_doc_references(files: list[pathlib.Path]) -> list[str]:
+    """References to ``docs/<page>.md#<anchor>`` in any file, and relative links of Markdown files,
+    that lead nowhere."""
+    bad = []
+    for path in files:
+        if not path.is_file() or path.suffix in {".png", ".jpg", ".ipynb"}:
+            continue
+        text = path.read_bytes().decode("utf-8", "replace")
+        refs = [(ROOT / m[1], m[2]) for m in DOC_REFERENCE.finditer(text)]
+        if path.suffix == ".md":
+            refs += [((path.parent / m[1]) if m[1] else path, m[2]) for m in MD_LINK.finditer(text)]
+        for target, anchor in refs:
+            if not target.exists():
+                bad.append(f"{rel(path)}: {rel(target.resolve())} does not exist")
+            elif anchor and target.suffix == ".md" and anchor not in heading_anchors(target.read_text()):
+                bad.append(f"{rel(path)}: {rel(target.resolve())} has no heading #{anchor}")
+    return bad
+
+
+def test_references_into_docs_resolve():
+    bad = broken_doc_references(tracked_files())
+    assert not bad, "references to pages or sections that do not exist:\n" + "\n".join(bad)
+
+
+def test_doc_reference_check_catches_a_missing_section(monkeypatch):
+    probe = LIB / "algorithms" / "__doc_probe__.py"
+    source = b"# GAE: docs/architecture.md#skip-observation-gae; DIS: docs/architecture.md#" + b"no-such-section\n"
+    monkeypatch.setattr(pathlib.Path, "read_bytes", lambda self: source)
+    monkeypatch.setattr(pathlib.Path, "is_file", lambda self: True)
+    assert broken_doc_references([probe]) == [f"{rel(probe)}: docs/architecture.md has no heading #no-such-section"]

@@ -16,6 +16,7 @@ import pathlib
 from typing import Any
 
 from sao_megatron.config.schema import ModelConfig
+from sao_megatron.models import arch
 from sao_megatron.models.families import deepseek_v3, deepseek_v32, glm4_moe, glm_moe_dsa, qwen3_moe
 from sao_megatron.models.families.base import ConversionError, Family, WeightMap
 from sao_megatron.models.families.hf_config import read_hf_config
@@ -91,4 +92,4 @@ def architecture_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
 def _explicit_head_dim(cfg: ModelConfig) -> ModelConfig:
     if cfg.kv_channels is not None:
         return cfg
-    return dataclasses.replace(cfg, kv_channels=cfg.hidden_size // cfg.num_attention_heads)
+    return dataclasses.replace(cfg, kv_channels=arch.head_dim(cfg))

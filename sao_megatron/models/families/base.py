@@ -22,6 +22,9 @@ from typing import Any
 import torch
 
 from sao_megatron.config.schema import ModelConfig
+from sao_megatron.models import arch
+from sao_megatron.models.arch import is_moe_layer
+from sao_megatron.models.arch import runs_indexer as dsa_runs_indexer
 
 
 class ConversionError(ValueError):
@@ -66,7 +69,7 @@ def rule(mcore: str, hf: str | tuple[str, ...], shapes: tuple[str, ...] | tuple[
 
 def shape_symbols(cfg: ModelConfig) -> dict[str, int]:
     """Values of the symbols used in ``Rule.hf_shapes``."""
-    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = arch.head_dim(cfg)
     return {
         "V": cfg.vocab_size, "H": cfg.hidden_size, "D": head_dim,
         "Q": cfg.num_attention_heads * head_dim, "KV": cfg.num_query_groups * head_dim,
@@ -87,27 +90,6 @@ def mla_shape_symbols(cfg: ModelConfig) -> dict[str, int]:
         "O": nh * cfg.v_head_dim, "ID": cfg.dsa_indexer_head_dim or 0,
         "IN": cfg.dsa_indexer_n_heads or 0, "IQ": (cfg.dsa_indexer_n_heads or 0) * (cfg.dsa_indexer_head_dim or 0),
     }
-
-
-def dsa_runs_indexer(cfg: ModelConfig, layer: int) -> bool:
-    """Whether 0-based ``layer`` computes its own DSA top-k ("full") or reuses an earlier one ("shared").
-
-    HF (GLM-5 ``indexer_types``) and Megatron (``is_dsa_skip_topk_layer``) use the same schedule:
-    layer i is full iff max(i + 1 - max(offset, 1), 0) is a multiple of ``dsa_indexer_topk_freq``.
-    """
-    freq = cfg.dsa_indexer_topk_freq or 1
-    if freq <= 1:
-        return True
-    return max(layer + 1 - max(cfg.dsa_indexer_skip_topk_offset, 1), 0) % freq == 0
-
-
-def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Megatron's moe_layer_freq semantics (int: every n-th layer; list: 1 = MoE)."""
-    if cfg.num_moe_experts is None:
-        return False
-    if isinstance(cfg.moe_layer_freq, list):
-        return bool(cfg.moe_layer_freq[layer])
-    return layer % cfg.moe_layer_freq == 0
 
 
 def layer_conditions(cfg: ModelConfig, layer: int | None) -> frozenset[str]:
@@ -212,8 +194,7 @@ def _eval_dim(sym: str, table: dict[str, int]) -> int:
 
 
 def _groups(cfg: ModelConfig) -> tuple[int, int, int]:
-    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, head_dim
+    return cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, arch.head_dim(cfg)
 
 
 def qkv_to_mcore(cfg: ModelConfig, qkv: list[torch.Tensor], rows: int | None = None) -> torch.Tensor:

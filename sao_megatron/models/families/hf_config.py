@@ -14,6 +14,7 @@ import pathlib
 from typing import Any
 
 from sao_megatron.config.schema import ModelConfig
+from sao_megatron.models import arch
 from sao_megatron.models.families.base import ConversionError
 
 _MISSING = object()
@@ -89,7 +90,7 @@ def common_hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_query_groups,
-        "head_dim": cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads, "hidden_act": "silu",
+        "head_dim": arch.head_dim(cfg), "hidden_act": "silu",
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.layernorm_epsilon,
         "rope_theta": float(cfg.rotary_base), "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
         "initializer_range": cfg.init_method_std, "moe_intermediate_size": cfg.moe_ffn_hidden_size,

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from sao_megatron.rollout.engine.batching import split_generate_body
 from sao_megatron.rollout.engine.core import EngineCore, settle_future
+from sao_megatron.rollout.engine.request_body import json_body
 from sao_megatron.rollout.engine.requests import BadRequest, ModelLimits, make_request
 from sao_megatron.rollout.engine.weight_routes import WeightRoutes
 from sao_megatron.rollout.engine.weights import EngineWeights
@@ -29,19 +30,6 @@ from sao_megatron.rollout.engine.weights import EngineWeights
 logger = logging.getLogger(__name__)
 
 API_VERSION = "0.5.23"  # the SGLang native API this server speaks
-
-
-async def json_body(request: Request) -> dict[str, Any]:
-    """The JSON object body ({} when empty); BadRequest otherwise."""
-    if not await request.body():
-        return {}
-    try:
-        body = await request.json()
-    except ValueError:
-        raise BadRequest("request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
 
 
 class _ApiKeyMiddleware:

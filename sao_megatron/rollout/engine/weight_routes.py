@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from sao_megatron.rollout.engine.core import EngineCore
+from sao_megatron.rollout.engine.request_body import json_body
 from sao_megatron.rollout.engine.requests import BadRequest
 from sao_megatron.rollout.engine.weights import EngineWeights, NamedTensors
 
@@ -56,8 +57,6 @@ class WeightRoutes:
         self.lock = asyncio.Lock()
 
     async def _json(self, request: Request) -> dict[str, Any]:
-        from sao_megatron.rollout.engine.server import json_body
-
         return await json_body(request)
 
     # ---------------------------------------------------------------- session
