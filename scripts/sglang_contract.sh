@@ -29,6 +29,9 @@ FILES=(
   sglang/srt/models/qwen3_moe.py         # Qwen3-MoE loader
   sglang/srt/layers/quantization/utils.py  # is_layer_skipped: how modules_to_not_convert matches
   sglang/srt/layers/quantization/fp8.py  # Fp8Config.from_config: which quantization_config keys it reads
+  sglang/srt/layers/quantization/fp8_utils.py  # block_quant_dequant (the fused indexer's FP8 wk)
+  sglang/srt/layers/moe/fused_moe_triton/layer.py  # FusedMoE.make_expert_params_mapping
+  sglang/srt/weight_sync/tensor_bucket.py  # FlattenedTensorBucket: the receiving end of a flattened bucket
 )
 
 dst="$venv/sglang_contract"
