@@ -77,31 +77,38 @@ def groups_for(family: str | None) -> tuple[LoaderGroup, ...]:
     return FAMILY_GROUPS[family]
 
 
-def group_key(name: str, groups: Sequence[LoaderGroup]) -> tuple[Hashable, str, bool] | None:
-    """(group key, member weight name, is a scale) of an HF tensor name, or None when it loads alone.
+def group_key(name: str, groups: Sequence[LoaderGroup]) -> Hashable | None:
+    """The group an HF tensor belongs to (equal keys: one call), or None when it loads alone."""
+    found = _match(name, groups)
+    return None if found is None else found[0]
 
-    For groups that are not ``always_together`` each weight is its own key (it pairs with its scale).
+
+def _match(name: str, groups: Sequence[LoaderGroup]) -> tuple[Hashable, str, bool, set[str]] | None:
+    """(group key, the member weight ``name`` is or scales, whether it is a scale, the group's weights).
+
+    A group that is not ``always_together`` is one group per weight (the weight and its scale).
     """
-    weight, is_scale = (name[: -len(SCALE)], True) if name.endswith(SCALE) else (name, False)
+    weight, is_scale = (name.removesuffix(SCALE), True) if name.endswith(SCALE) else (name, False)
     for group in groups:
         for member in group.weights:
             if weight.endswith("." + member):
                 prefix = weight[: -len(member)]
-                key = (group.name, prefix) if group.always_together else (group.name, weight)
-                return key, weight, is_scale
+                if group.always_together:
+                    return (group.name, prefix), weight, is_scale, {prefix + m for m in group.weights}
+                return (group.name, weight), weight, is_scale, {weight}
     return None
 
 
 class _OpenGroup:
     """The members of one group that arrived so far; complete once every expected tensor is in."""
 
-    def __init__(self, key: Hashable, weights: set[str]):
-        self.key = key
+    def __init__(self, weights: set[str]):
         self.expected = set(weights)
         self.arrived: set[str] = set()
         self.items: list[tuple[int, torch.dtype, object]] = []
 
     def add(self, name: str, weight: str, is_scale: bool, unit: tuple[int, torch.dtype, object]) -> bool:
+        """Add one member; True once the group is complete."""
         self.arrived.add(name)
         dtype = unit[1]
         if not is_scale and dtype.is_floating_point and dtype.itemsize == 1:
@@ -110,14 +117,8 @@ class _OpenGroup:
         return self.expected <= self.arrived
 
 
-def _member_weights(key: Hashable, weight: str, groups: Sequence[LoaderGroup]) -> set[str]:
-    name, prefix_or_weight = key
-    group = next(g for g in groups if g.name == name)
-    return {prefix_or_weight + m for m in group.weights} if group.always_together else {weight}
-
-
 class _Buckets:
-    """Today's cutting (one pending bucket per dtype, flushed when the next unit would overflow it)."""
+    """The sync's size/dtype cutting: one pending bucket per dtype, closed when the next unit would overflow it."""
 
     def __init__(self, max_bucket_bytes: int):
         self.cap = max_bucket_bytes
@@ -158,13 +159,13 @@ def iter_buckets(items: Iterable[tuple[str, int, torch.dtype, T]], *, family: st
     open_groups: dict[Hashable, _OpenGroup] = {}
     for name, nbytes, dtype, payload in items:
         unit = (int(nbytes), dtype, payload)
-        found = group_key(name, groups)
+        found = _match(name, groups)
         if found is None:
             ready = [unit]
         else:
-            key, weight, is_scale = found
+            key, weight, is_scale, weights = found
             if key not in open_groups:
-                open_groups[key] = _OpenGroup(key, _member_weights(key, weight, groups))
+                open_groups[key] = _OpenGroup(weights)
             if not open_groups[key].add(name, weight, is_scale, unit):
                 continue
             ready = open_groups.pop(key).items
