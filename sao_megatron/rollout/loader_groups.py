@@ -79,15 +79,18 @@ def groups_for(family: str | None) -> tuple[LoaderGroup, ...]:
 
 def group_key(name: str, groups: Sequence[LoaderGroup]) -> Hashable | None:
     """The group an HF tensor belongs to (equal keys: one call), or None when it loads alone."""
-    found = _match(name, groups)
+    found = _match(name, groups, _suffixes(tuple(groups)))
     return None if found is None else found[0]
 
 
-def _match(name: str, groups: Sequence[LoaderGroup]) -> tuple[Hashable, str, bool, set[str]] | None:
+def _match(name: str, groups: Sequence[LoaderGroup], suffixes: tuple[str, ...],
+           ) -> tuple[Hashable, str, bool, set[str]] | None:
     """(group key, the member weight ``name`` is or scales, whether it is a scale, the group's weights).
 
     A group that is not ``always_together`` is one group per weight (the weight and its scale).
     """
+    if not name.endswith(suffixes):  # most tensors: one C-level check
+        return None
     weight, is_scale = (name.removesuffix(SCALE), True) if name.endswith(SCALE) else (name, False)
     for group in groups:
         for member in group.weights:
@@ -97,6 +100,11 @@ def _match(name: str, groups: Sequence[LoaderGroup]) -> tuple[Hashable, str, boo
                     return (group.name, prefix), weight, is_scale, {prefix + m for m in group.weights}
                 return (group.name, weight), weight, is_scale, {weight}
     return None
+
+
+def _suffixes(groups: tuple[LoaderGroup, ...]) -> tuple[str, ...]:
+    """Every name a member of ``groups`` ends with."""
+    return tuple(f".{m}{s}" for g in groups for m in g.weights for s in ("", SCALE))
 
 
 class _OpenGroup:
@@ -122,29 +130,34 @@ class _Buckets:
 
     def __init__(self, max_bucket_bytes: int):
         self.cap = max_bucket_bytes
-        self.pending: dict[torch.dtype, tuple[list[tuple[int, torch.dtype, object]], int]] = {}
+        self.pending: dict[torch.dtype, tuple[list[tuple[int, torch.dtype, object]], int, bool]] = {}
 
     def add(self, unit: list[tuple[int, torch.dtype, object]]) -> list[object] | None:
         """Add a unit (one tensor or a whole group); returns the bucket it closed, if any."""
-        dtype = max(unit, key=lambda u: u[0])[1]  # a mixed group joins its largest member's bucket
-        nbytes = sum(u[0] for u in unit)
-        items, size = self.pending.get(dtype, ([], 0))
+        if len(unit) == 1:
+            (nbytes, dtype, _), mixed_unit = unit[0], False
+        else:  # a group joins its largest member's bucket
+            dtype, nbytes = max(unit, key=lambda u: u[0])[1], sum(u[0] for u in unit)
+            mixed_unit = any(u[1] != dtype for u in unit)
+        items, size, mixed = self.pending.get(dtype) or ([], 0, False)
         closed = None
         if items and size + nbytes > self.cap:
-            closed, items, size = _aligned(items), [], 0
+            closed, items, size, mixed = _aligned(items, mixed), [], 0, False
         items.extend(unit)
-        self.pending[dtype] = (items, size + nbytes)
+        self.pending[dtype] = (items, size + nbytes, mixed or mixed_unit)
         return closed
 
     def rest(self) -> Iterator[list[object]]:
-        for items, _ in self.pending.values():
+        for items, _, mixed in self.pending.values():
             if items:
-                yield _aligned(items)
+                yield _aligned(items, mixed)
 
 
-def _aligned(items: list[tuple[int, torch.dtype, object]]) -> list[object]:
+def _aligned(items: list[tuple[int, torch.dtype, object]], mixed: bool) -> list[object]:
     """Payloads by decreasing element size (stable): each starts aligned in a flattened bucket."""
-    return [payload for _, _, payload in sorted(items, key=lambda u: -u[1].itemsize)]
+    if mixed:
+        items = sorted(items, key=lambda u: -u[1].itemsize)
+    return [payload for _, _, payload in items]
 
 
 def iter_buckets(items: Iterable[tuple[str, int, torch.dtype, T]], *, family: str | None,
@@ -155,11 +168,12 @@ def iter_buckets(items: Iterable[tuple[str, int, torch.dtype, T]], *, family: st
     if a member never comes, e.g. ``kv_a_proj_with_mqa`` of a model without ``q_lora_rank``).
     """
     groups = groups_for(family)
+    suffixes = _suffixes(groups)
     buckets = _Buckets(max_bucket_bytes)
     open_groups: dict[Hashable, _OpenGroup] = {}
     for name, nbytes, dtype, payload in items:
         unit = (int(nbytes), dtype, payload)
-        found = _match(name, groups)
+        found = _match(name, groups, suffixes)
         if found is None:
             ready = [unit]
         else:
