@@ -21,6 +21,17 @@ FILES=(
   sglang/srt/entrypoints/http_server.py  # routes
   sglang/srt/utils/weight_versions.py    # how weight_versions spans are built
   sglang/srt/utils/msgspec_utils.py      # imported by weight_versions.py
+  # Weight loaders: which tensors one load_weights call must see together (rollout/loader_groups.py)
+  sglang/srt/models/deepseek_common/deepseek_weight_loader.py  # DeepSeek-V3 / V3.2 / GLM-5 loader
+  sglang/srt/models/deepseek_v2.py       # DeepSeek/GLM-5 modules (indexer rope style, linears' quant_config)
+  sglang/srt/layers/attention/dsa/dsa_indexer.py  # the DSA indexer's linears (wk_weights_proj fusion)
+  sglang/srt/models/glm4_moe.py          # GLM-4.5 loader; GlmMoeDsaForCausalLM's base class
+  sglang/srt/models/qwen3_moe.py         # Qwen3-MoE loader
+  sglang/srt/layers/quantization/utils.py  # is_layer_skipped: how modules_to_not_convert matches
+  sglang/srt/layers/quantization/fp8.py  # Fp8Config.from_config: which quantization_config keys it reads
+  sglang/srt/layers/quantization/fp8_utils.py  # block_quant_dequant (the fused indexer's FP8 wk)
+  sglang/srt/layers/moe/fused_moe_triton/layer.py  # FusedMoE.make_expert_params_mapping
+  sglang/srt/weight_sync/tensor_bucket.py  # FlattenedTensorBucket: the receiving end of a flattened bucket
 )
 
 dst="$venv/sglang_contract"
@@ -47,6 +58,9 @@ def write(path: pathlib.Path, data: bytes) -> None:
     os.replace(part, path)
 
 
+flat = [pathlib.PurePosixPath(n).name for n in names]
+if len(set(flat)) != len(flat):  # files land flat in dst: two of one name would overwrite each other
+    sys.exit(f"setup: FILES in scripts/sglang_contract.sh repeat a file name: {sorted(flat)}")
 wheel = next(src.glob(f"sglang-{version}-*.whl"))
 with zipfile.ZipFile(wheel) as zf:
     missing = [n for n in names if n not in zf.namelist()]

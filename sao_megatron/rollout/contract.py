@@ -10,7 +10,11 @@ of the pinned sglang wheel into ``<venv>/sglang_contract/``:
   bodies are read with ``ast`` into field schemas (name, annotation, required);
 - ``weight_versions.py`` (+ ``msgspec_utils.py``, which it imports): how the
   scheduler records weight-version events and turns them into the
-  ``weight_versions`` spans of a reply; the span reader is tested against it.
+  ``weight_versions`` spans of a reply; the span reader is tested against it;
+- model, loader and quantization files (``deepseek_weight_loader.py``, ``qwen3_moe.py``,
+  ``fp8.py``, ...): read with ``ast`` (:func:`source_tree`), and single functions executed
+  (:func:`source_function`), to test ``rollout/loader_groups.py`` and ``rollout/fp8_weights.py``
+  against SGLang's own loading code; ``tensor_bucket.py`` (torch only) is imported whole.
 
 Used by the contract tests and usable as a ``RolloutClient(on_exchange=...)``
 hook when debugging against a new SGLang version.
@@ -102,6 +106,39 @@ def _load_contract_file(module_name: str, file_name: str) -> ModuleType:
     sys.modules[module_name] = module  # dataclasses and msgspec resolve annotations through it
     spec.loader.exec_module(module)
     return module
+
+
+@functools.cache
+def tensor_bucket() -> ModuleType:
+    """SGLang's ``srt/weight_sync/tensor_bucket.py`` (``FlattenedTensorBucket``), loaded by file path."""
+    return _load_contract_file("sglang_contract_tensor_bucket", "tensor_bucket.py")
+
+
+@functools.cache
+def source_tree(file_name: str) -> ast.Module:
+    """The ``ast`` of one extracted SGLang file (most import half of SGLang and CUDA: read, not imported)."""
+    path = contract_dir() / file_name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run `bash scripts/sglang_contract.sh <venv>` to extract it")
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def source_function(file_name: str, qualname: str, namespace: dict[str, Any]) -> Any:
+    """One function of an SGLang file (``name`` or ``Class.method``, decorators dropped), defined in ``namespace``.
+
+    For functions whose imports the caller supplies in ``namespace``; a method comes back unbound
+    (its ``cls``/``self`` is the first argument).
+    """
+    node: Any = source_tree(file_name)
+    for part in qualname.split("."):
+        node = next((n for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part),
+                    None)
+        if node is None:
+            raise KeyError(f"{qualname} not found in {file_name} of sglang {PINNED_SGLANG}")
+    func = ast.FunctionDef(**{**{f: getattr(node, f) for f in node._fields}, "decorator_list": []})
+    module = ast.fix_missing_locations(ast.Module(body=[func], type_ignores=[]))
+    exec(compile(module, f"<sglang {file_name}:{qualname}>", "exec"), namespace)  # noqa: S102 - pinned wheel code
+    return namespace[node.name]
 
 
 def check_generate_request(payload: Any) -> None:

@@ -284,19 +284,34 @@ def build_weight_sync(rollout_cfg, *, client, run_dir: str | Path, template_dir:
 
 
 class Fp8BlockSync:
-    """A transport whose pushes send block-FP8 weights (``fp8_weights.requantize``) for FP8-serving engines."""
+    """A transport whose pushes send block-FP8 weights (``fp8_weights.requantize``) for FP8-serving engines,
+    quantized as the engines' own ``quantization_config`` says (read at ``connect``)."""
 
-    def __init__(self, inner: WeightSync):
-        self.inner = inner
+    def __init__(self, inner: WeightSync, scheme=None):
+        self.inner, self.scheme = inner, scheme
 
     def connect(self, engine_urls: list[str] | None, *, is_sender: bool) -> None:
+        from sao_megatron.rollout.fp8_weights import engine_scheme
+
         self.inner.connect(engine_urls, is_sender=is_sender)
+        found = None
+        if engine_urls:  # rank 0: the checkpoint the engines serve (they all serve the same one)
+            try:
+                found = engine_scheme(self.inner.http.get(engine_urls[0].rstrip("/") + "/model_info").json())
+            except (ValueError, httpx.HTTPError) as exc:
+                found = f"{engine_urls[0]}: {exc}"
+        found = self.inner.world.bcast(found)
+        if isinstance(found, str):
+            raise WeightSyncError(found)
+        self.scheme = found
 
     def push(self, owned: NamedTensors, version: int, *, paused: Paused | None = None,
              verify: bool = False) -> dict[str, float]:
         from sao_megatron.rollout.fp8_weights import requantize
 
-        return self.inner.push(requantize(owned), version, paused=paused, verify=verify)
+        if self.scheme is None:
+            raise WeightSyncError("Fp8BlockSync.push before connect: the engines' quantization_config is not known")
+        return self.inner.push(requantize(owned, self.scheme), version, paused=paused, verify=verify)
 
     def reconnect(self, engine_url: str | None, new_url: str | None = None) -> None:
         self.inner.reconnect(engine_url, new_url)

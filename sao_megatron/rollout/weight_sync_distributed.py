@@ -452,16 +452,9 @@ def check_engine(http: httpx.Client, url: str, expected: dict[str, str], *, stri
 
 
 def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
-    """Buckets of one dtype each and at most ``bucket_bytes`` (a larger tensor travels alone)."""
-    pending: dict[torch.dtype, tuple[NamedTensors, int]] = {}
-    for name, tensor in named:
-        items, size = pending.get(tensor.dtype, ([], 0))
-        nbytes = tensor.numel() * tensor.element_size()
-        if items and size + nbytes > bucket_bytes:
-            yield items
-            items, size = [], 0
-        items.append((name, tensor.detach()))
-        pending[tensor.dtype] = (items, size + nbytes)
-    for items, _ in pending.values():
-        if items:
-            yield items
+    """Buckets of at most ``bucket_bytes`` (a larger unit alone), one dtype each except that the tensors
+    SGLang's loader must see in one call travel together (``rollout/loader_groups.py``)."""
+    from sao_megatron.rollout.loader_groups import iter_buckets
+
+    units = ((n, t.numel() * t.element_size(), t.dtype, (n, t.detach())) for n, t in named)
+    yield from iter_buckets(units, family=None, max_bucket_bytes=bucket_bytes)

@@ -13,10 +13,12 @@ import torch
 from safetensors.torch import save_file
 
 from sao_megatron.models.families.fp8 import BlockFp8Checkpoint, dequantize_blocks
-from sao_megatron.rollout.fp8_weights import FP8_MAX, is_fp8_quantized, quantize_blocks, requantize
+from sao_megatron.rollout.fp8_weights import FP8_MAX, Fp8Scheme, quantize_blocks, requantize
 
 pytestmark = pytest.mark.unit
 BLOCK = (16, 16)  # small blocks so tiny weights span several, with ragged edges
+DSV3 = Fp8Scheme.from_quantization_config({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                           "weight_block_size": list(BLOCK)})  # DeepSeek-V3's, smaller blocks
 
 
 def loop_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +69,7 @@ def tiny_fp8_checkpoint(tmp_path):
     weights = {n: torch.randn(shape, generator=gen) * 0.1 for n, shape in full.items()}
     stored = {}
     for n, w in weights.items():
-        if is_fp8_quantized(n, tuple(w.shape)):
+        if DSV3.quantizes(n, tuple(w.shape)):
             stored[n], stored[n + "_scale_inv"] = loop_quantize(w, BLOCK)
         else:
             stored[n] = w
@@ -82,7 +84,7 @@ def test_requantized_export_equals_the_original_fp8_checkpoint(tmp_path):
     ckpt = BlockFp8Checkpoint(tmp_path, BLOCK)
     dequantized = [(n, ckpt.get(n)) for n in sorted(ckpt.weight_map)]  # what convert imports
     assert all(t.dtype == torch.float32 for _, t in dequantized)
-    out = dict(requantize(dequantized, BLOCK))
+    out = dict(requantize(dequantized, DSV3))
     assert set(out) == set(stored)  # same tensors quantized, same scale names
     assert {n for n in out if n.endswith("_scale_inv")} == {
         "model.layers.0.self_attn.q_a_proj.weight_scale_inv", "model.layers.0.self_attn.kv_b_proj.weight_scale_inv",
@@ -109,13 +111,32 @@ def test_fp8_block_needs_an_sglang_engine_and_an_mla_model():
                                                           "rollout.engine_urls=[http://127.0.0.1:1]"])
 
 
-def test_weight_sync_sends_fp8_blocks_when_the_engine_serves_fp8(tmp_path):
+def test_weight_sync_sends_fp8_blocks_as_the_engines_config_says(tmp_path):
+    """connect asks an engine for its model_path (/model_info) and quantizes as its config.json says."""
+    import httpx
+
     from sao_megatron.config import load_config
     from sao_megatron.rollout import weight_sync
+    from sao_megatron.rollout.weight_sync_distributed import _World
 
     pushed = {}
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 64],
+        "modules_to_not_convert": ["model.layers.1.mlp.experts.1.up_proj"]}}))
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/model_info"
+        return httpx.Response(200, json={"model_path": str(served), "weight_version": "0"})
 
     class Recorder:
+        world = _World.alone()
+        http = httpx.Client(transport=httpx.MockTransport(engine))
+
+        def connect(self, engine_urls, *, is_sender):
+            pass
+
         def push(self, owned, version, *, paused=None, verify=False):
             pushed.update(dict(owned))
             return {}
@@ -125,8 +146,12 @@ def test_weight_sync_sends_fp8_blocks_when_the_engine_serves_fp8(tmp_path):
                                                                  "rollout.engine_weight_format=fp8_block"])
     sync = weight_sync.build_weight_sync(cfg.rollout, client=None, run_dir=tmp_path, template_dir=None)
     sync.inner = Recorder()
+    sync.connect(["http://engine:1"], is_sender=True)
     w = torch.randn(300, 200, generator=torch.Generator().manual_seed(2))
-    sync.push([("model.layers.1.mlp.experts.0.up_proj.weight", w), ("model.norm.weight", torch.ones(64))], 1)
-    assert pushed["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == torch.float8_e4m3fn
-    assert pushed["model.layers.1.mlp.experts.0.up_proj.weight_scale_inv"].shape == (3, 2)  # 128x128 blocks
+    sync.push([("model.layers.0.mlp.experts.0.up_proj.weight", w), ("model.layers.1.mlp.experts.0.up_proj.weight", w),
+               ("model.norm.weight", torch.ones(64))], 1)
+    assert pushed["model.layers.0.mlp.experts.0.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert pushed["model.layers.0.mlp.experts.0.up_proj.weight_scale_inv"].shape == (3, 4)  # 128x64 blocks
     assert pushed["model.norm.weight"].dtype == torch.float32
+    # SGLang decides per FusedMoE (``...mlp.experts``): an expert listed leaves the layer's experts unquantized.
+    assert pushed["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == torch.float32

@@ -79,6 +79,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", **mla.mla_hf_fields(cfg),
             "index_n_heads": cfg.dsa_indexer_n_heads, "index_head_dim": cfg.dsa_indexer_head_dim,
             "index_topk": cfg.dsa_indexer_topk, "indexer_types": types,
+            # SGLang reads this key (absent: False) to pick the indexer's rope style; without it, it
+            # rotates half-split (neox) keys that Megatron rotated in interleaved pairs.
+            "indexer_rope_interleave": True,
             "mlp_layer_types": ["sparse" if b.is_moe_layer(cfg, i) else "dense" for i in range(cfg.num_layers)]}
 
 
