@@ -202,6 +202,13 @@ class ActorConfig:
     global token count)."""
     load: str | None = None
     """Megatron checkpoint to initialise the actor from (None: model.hf_dir or random)."""
+    reset_optimizer_before_rl: bool = False
+    """Start RL with a fresh Adam state (moments and step counts zero) after the supervised warm-up
+    (run.sft_steps), whose Adam statistics otherwise carry into RL. actor.load restores weights only, so RL
+    after a loaded warm-up starts fresh either way; this states it."""
+    log_update_norm: bool = False
+    """Log actor/update_norm, the norm of this rank's actor parameter change over a batch's optimizer steps
+    (the whole actor in a single-process run); costs a copy of the trainable parameters per step."""
 
 
 @cfg

@@ -1,9 +1,10 @@
-"""`sao-megatron study --config configs/studies/paper-miniature.yaml --out DIR [--seeds N] [--jobs J]
-[--dry-run] [--full] [--variants a,b]`: the paper's comparisons in miniature, with seeds and CIs.
+"""`sao-megatron study --config configs/studies/paper-miniature.yaml --out DIR [--seeds R] [--warmup-seeds W]
+[--jobs J] [--dry-run] [--full] [--variants a,b]`: the paper's comparisons in miniature, with seeds and CIs.
 
-Prints the plan (variant, prompts x rollouts per step, steps, seeds) and the estimated time first;
-``--dry-run`` stops there. Then runs every unfinished variant x seed (resumable: run the same
-command again to continue) and writes ``DIR/results.md``, ``DIR/results.csv`` and ``DIR/plots/``.
+Prints the plan first: the W shared warm-ups, then per arm its prompts x rollouts per step, steps,
+and its W x R runs (warm-up seed x RL seed), and the estimated time; ``--dry-run`` stops there.
+Then runs every unfinished warm-up and run (resumable: run the same command again to continue) and
+writes ``DIR/results.md``, ``DIR/results.csv`` and ``DIR/plots/``.
 ``--summarize`` only rewrites the tables and plots from the runs on disk.
 """
 
@@ -18,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("study", help="a matrix of variants x seeds at an equal sample budget (tables, CIs, plots)")
     p.add_argument("--config", required=True, help="study YAML (configs/studies/paper-miniature.yaml)")
     p.add_argument("--out", required=True, help="study directory (one subdirectory per run; resumable)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per variant (default: the study file's)")
+    p.add_argument("--seeds", type=int, default=None, help="RL seeds R per warm-up and arm (default: the study file's)")
+    p.add_argument("--warmup-seeds", type=int, default=None, help="warm-up seeds W (default: the study file's)")
     p.add_argument("--jobs", type=int, default=None, help="runs in parallel (default: the study file's)")
     p.add_argument("--full", action="store_true", help="the whole matrix instead of the default variants")
     p.add_argument("--variants", default=None, help="comma-separated variants to run instead")
@@ -31,17 +33,39 @@ def format_plan(plan, jobs: int, estimate_s: float) -> str:
     from sao_megatron.study.runner import is_done
     from sao_megatron.study.summary import shape_of
 
-    lines = [f"study: base {plan.base_path}, {plan.spec.samples_per_run} trained samples per run, "
-             f"{len(plan.runs)} runs, {jobs} in parallel",
-             f"{'variant':<24} {'prompts x rollouts':>18} {'steps':>6} {'seeds':>5} {'done':>5}  description"]
-    for name in dict.fromkeys(r.variant for r in plan.runs):
-        runs = [r for r in plan.runs if r.variant == name]
-        lines.append(f"{name:<24} {shape_of(runs[0]):>18} {runs[0].num_steps:>6} {len(runs):>5} "
-                     f"{sum(is_done(r) for r in runs):>5}  {plan.spec.variants[name].describe}")
+    spec, w, r = plan.spec, len(plan.warmups), spec_rl_seeds(plan)
+    lines = [f"study: base {plan.base_path}, {spec.samples_per_run} trained samples per run (unless equal steps)",
+             f"nested design: {w} warm-up seeds x {r} RL seeds = {w * r} paired runs per arm; "
+             f"{len(plan.warmups)} warm-ups + {len(plan.runs)} RL runs, {jobs} in parallel"]
+    for wu in plan.warmups:
+        lines.append(f"  warm-up w{wu.index}: sao-megatron sft {' '.join(_warmup_sets(plan, wu))} -> {wu.actor}"
+                     f"{' (done)' if is_done(wu) else ''}")
+    lines.append("  every arm: --set actor.load=<warm-up actor> run.sft_steps=0 (weights only: a fresh optimizer)")
+    lines.append(f"{"arm":<31} {'prompts x rollouts':>18} {'steps':>6} {'samples':>7} {'runs':>4} {'done':>4}  "
+                 "description")
+    for name in dict.fromkeys(x.variant for x in plan.runs):
+        runs = [x for x in plan.runs if x.variant == name]
+        lines.append(f"{name:<31} {shape_of(runs[0]):>18} {runs[0].num_steps:>6} "
+                     f"{runs[0].num_steps * runs[0].batch_size:>7} {len(runs):>4} {sum(is_done(x) for x in runs):>4}  "
+                     f"{spec.variants[name].describe}")
     for name, err in plan.errors.items():
-        lines.append(f"{name:<24} {'not runnable':>18}  {err}")
+        lines.append(f"{name:<31} {'not runnable':>18}  {err}")
+    pairs = sorted({x.pair for x in plan.runs})
+    lines.append(f"pairs (warm-up, RL seed): {' '.join(f'w{a}r{b}' for a, b in pairs)}")
     lines.append(f"estimated time: {estimate_s / 60:.0f} min for the unfinished runs")
     return "\n".join(lines)
+
+
+def spec_rl_seeds(plan) -> int:
+    return len({x.seed_index for x in plan.runs}) or plan.spec.rl_seeds
+
+
+def _warmup_sets(plan, wu) -> list[str]:
+    """The warm-up's own --set list (its overrides and seed), without the study's common ones."""
+    from sao_megatron.study.spec import to_sets
+
+    common = set(to_sets(plan.spec.common))
+    return [s for s in wu.overrides if s not in common]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -50,12 +74,13 @@ def _run(args: argparse.Namespace) -> int:
     from sao_megatron.study.summary import collect, write_plots, write_tables
 
     spec, base = load_study(args.config)
-    spec = with_seeds(spec, args.seeds, args.jobs)
-    if min(spec.seeds, spec.jobs) < 1:
-        raise ValueError("--seeds and --jobs must be >= 1")
+    for flag, value in (("--seeds", args.seeds), ("--warmup-seeds", args.warmup_seeds), ("--jobs", args.jobs)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1")
+    spec = with_seeds(spec, args.seeds, args.jobs, args.warmup_seeds)
     only = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
     out = pathlib.Path(args.out)
-    plan = build_plan(spec, base, out, variants=select_variants(spec, full=args.full, only=only), seeds=spec.seeds)
+    plan = build_plan(spec, base, out, variants=select_variants(spec, full=args.full, only=only))
     sys.stdout.write(format_plan(plan, spec.jobs, estimate_seconds(plan, spec.jobs)) + "\n")
     if plan.errors and not (args.dry_run or args.summarize):
         raise ValueError(f"variant(s) {sorted(plan.errors)} do not load with this version of sao-megatron (see "

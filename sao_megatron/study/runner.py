@@ -1,9 +1,11 @@
-"""Run a study plan: one ``sao-megatron train`` subprocess per run, ``jobs`` at a time.
+"""Run a study plan: the warm-ups first (``sao-megatron sft``, one per warm-up seed), then one
+``sao-megatron train`` subprocess per arm x (warm-up, RL seed), ``jobs`` at a time.
 
-Each run owns ``OUT/<variant>/seed<k>/``; a run that finished has ``study_done.json`` there and is
-skipped, a run that was interrupted resumes from its latest checkpoint (``--resume auto``), so the
-same command continues a study. The estimate of the remaining time uses the wall time per trained
-sample of the runs already finished, else the study file's ``seconds_per_sample`` and ``startup_s``.
+Each run owns its directory; a finished one has ``study_done.json`` there and is skipped. An
+interrupted RL run resumes from its latest checkpoint (``--resume auto``); an interrupted warm-up
+starts over (its partial actor is removed). So the same command continues a study. The estimate of
+the remaining time uses the wall time per trained sample of the RL runs already finished, else the
+study file's ``seconds_per_sample``, ``startup_s`` and ``warmup_s``.
 """
 
 from __future__ import annotations
@@ -11,18 +13,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from sao_megatron.study.spec import Plan, PlannedRun
+from sao_megatron.study.spec import Plan, PlannedRun, PlannedWarmup
 
 log = logging.getLogger(__name__)
 DONE_FILE = "study_done.json"
 
 
-def is_done(run: PlannedRun) -> bool:
+def is_done(run: PlannedRun | PlannedWarmup) -> bool:
     return (run.run_dir / DONE_FILE).is_file()
 
 
@@ -36,7 +40,7 @@ def trained_steps(run: PlannedRun) -> int:
 
 
 def measured_seconds_per_sample(plan: Plan) -> float | None:
-    """Mean wall seconds per trained sample over the plan's finished runs (None: none finished)."""
+    """Mean wall seconds per trained sample over the plan's finished RL runs (None: none finished)."""
     rates = []
     for run in plan.runs:
         if is_done(run):
@@ -46,9 +50,9 @@ def measured_seconds_per_sample(plan: Plan) -> float | None:
 
 
 def estimate_seconds(plan: Plan, jobs: int) -> float:
-    """Wall time of the runs not finished yet, spread over ``jobs`` parallel slots."""
+    """Wall time of the runs (warm-ups included) not finished yet, spread over ``jobs`` parallel slots."""
     rate = measured_seconds_per_sample(plan)
-    total = 0.0
+    total = sum(plan.spec.warmup_s for w in plan.warmups if not is_done(w))
     for run in plan.runs:
         if not is_done(run):
             samples = run.num_steps * run.batch_size
@@ -64,6 +68,14 @@ def train_command(plan: Plan, run: PlannedRun) -> list[str]:
     return cmd
 
 
+def warmup_command(plan: Plan, warmup: PlannedWarmup) -> list[str]:
+    cmd = [sys.executable, "-m", "sao_megatron.cli", "sft", "--config", str(plan.base_path),
+           "--run-dir", str(warmup.run_dir)]
+    for s in warmup.overrides:
+        cmd += ["--set", s]
+    return cmd
+
+
 def _child_env(jobs: int) -> dict[str, str]:
     env = dict(os.environ)
     # Parallel runs share the cores: without a cap each one's torch would start a thread per core.
@@ -71,17 +83,46 @@ def _child_env(jobs: int) -> dict[str, str]:
     return env
 
 
+@dataclass(slots=True)
+class _Job:
+    """One subprocess of the study: its command, what counts as finished, and its name in the log."""
+
+    name: str
+    item: PlannedRun | PlannedWarmup
+    command: list[str]
+    finished: Callable[[], bool]
+
+
+def _warmup_job(plan: Plan, w: PlannedWarmup) -> _Job:
+    return _Job(f"warm-up w{w.index}", w, warmup_command(plan, w), lambda: (w.actor / "metadata.json").is_file())
+
+
+def _run_job(plan: Plan, run: PlannedRun) -> _Job:
+    return _Job(f"{run.variant} w{run.warmup_index} r{run.seed_index}", run, train_command(plan, run),
+                lambda: trained_steps(run) >= run.num_steps)
+
+
 def execute(plan: Plan, jobs: int, *, on_event: Callable[[str], None] = log.info,
-            poll_s: float = 2.0) -> list[PlannedRun]:
-    """Run every unfinished run, ``jobs`` at a time; returns the runs that failed."""
-    pending = [r for r in plan.runs if not is_done(r)]
-    running: list[tuple[PlannedRun, subprocess.Popen, float, object]] = []
-    failed: list[PlannedRun] = []
+            poll_s: float = 2.0) -> list[PlannedRun | PlannedWarmup]:
+    """Run every unfinished warm-up, then every unfinished RL run whose warm-up finished, ``jobs`` at a
+    time; returns what failed (an RL run whose warm-up failed counts as failed, not started)."""
     env = _child_env(jobs)
+    failed = _run_jobs([_warmup_job(plan, w) for w in plan.warmups if not is_done(w)], jobs, env, on_event, poll_s)
+    bad = {w.index for w in failed}
+    pending = [r for r in plan.runs if not is_done(r)]
+    failed += [r for r in pending if r.warmup_index in bad]
+    jobs_rl = [_run_job(plan, r) for r in pending if r.warmup_index not in bad]
+    return failed + _run_jobs(jobs_rl, jobs, env, on_event, poll_s)
+
+
+def _run_jobs(todo: list[_Job], jobs: int, env: dict[str, str], on_event: Callable[[str], None],
+              poll_s: float) -> list:
+    running: list[tuple[_Job, subprocess.Popen, float, object]] = []
+    failed: list = []
     try:
-        _loop(plan, pending, running, failed, jobs, env, on_event, poll_s)
+        _loop(todo, running, failed, jobs, env, on_event, poll_s)
     finally:  # interrupted (Ctrl-C): stop the children; they resume from their checkpoints next time
-        for run, proc, _, logf in running:
+        for _, proc, _, logf in running:
             proc.terminate()
             try:
                 proc.wait(60)
@@ -91,28 +132,35 @@ def execute(plan: Plan, jobs: int, *, on_event: Callable[[str], None] = log.info
     return failed
 
 
-def _loop(plan: Plan, pending: list[PlannedRun], running: list, failed: list[PlannedRun], jobs: int,
-          env: dict[str, str], on_event: Callable[[str], None], poll_s: float) -> None:
-    while pending or running:
-        while pending and len(running) < jobs:
-            run = pending.pop(0)
-            run.run_dir.mkdir(parents=True, exist_ok=True)
-            logf = (run.run_dir / "train.log").open("a")
-            proc = subprocess.Popen(train_command(plan, run), stdout=logf, stderr=subprocess.STDOUT, env=env)
-            running.append((run, proc, time.monotonic(), logf))
-            on_event(f"start {run.variant} seed {run.seed_index}: {run.num_steps} steps -> {run.run_dir}")
+def _start(job: _Job, env: dict[str, str]) -> tuple[subprocess.Popen, object]:
+    job.item.run_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(job.item, PlannedWarmup) and job.item.actor.exists():
+        shutil.rmtree(job.item.actor)  # an interrupted warm-up's partial actor: sft saves into a fresh directory
+    logf = (job.item.run_dir / ("sft.log" if isinstance(job.item, PlannedWarmup) else "train.log")).open("a")
+    return subprocess.Popen(job.command, stdout=logf, stderr=subprocess.STDOUT, env=env), logf
+
+
+def _loop(todo: list[_Job], running: list, failed: list, jobs: int, env: dict[str, str],
+          on_event: Callable[[str], None], poll_s: float) -> None:
+    todo = list(todo)
+    while todo or running:
+        while todo and len(running) < jobs:
+            job = todo.pop(0)
+            proc, logf = _start(job, env)
+            running.append((job, proc, time.monotonic(), logf))
+            steps = f": {job.item.num_steps} steps" if isinstance(job.item, PlannedRun) else ""
+            on_event(f"start {job.name}{steps} -> {job.item.run_dir}")
         time.sleep(poll_s)
-        for item in list(running):
-            run, proc, t0, logf = item
+        for entry in list(running):
+            job, proc, t0, logf = entry
             if proc.poll() is None:
                 continue
-            running.remove(item)
+            running.remove(entry)
             logf.close()
             wall = time.monotonic() - t0
-            if proc.returncode == 0 and trained_steps(run) >= run.num_steps:
-                (run.run_dir / DONE_FILE).write_text(json.dumps({"wall_s": wall, "num_steps": run.num_steps}))
-                on_event(f"done  {run.variant} seed {run.seed_index} in {wall:.0f} s")
+            if proc.returncode == 0 and job.finished():
+                (job.item.run_dir / DONE_FILE).write_text(json.dumps({"wall_s": wall}))
+                on_event(f"done  {job.name} in {wall:.0f} s")
             else:
-                failed.append(run)
-                on_event(f"FAILED {run.variant} seed {run.seed_index} (exit {proc.returncode}); see "
-                         f"{run.run_dir / 'train.log'}")
+                failed.append(job.item)
+                on_event(f"FAILED {job.name} (exit {proc.returncode}); see the log in {job.item.run_dir}")

@@ -1,17 +1,20 @@
-"""Tables and plots of a study: one row per variant, mean and 95 % CI over seeds.
+"""Tables and plots of a study: one row per arm, mean and 95 % CI over its runs (warm-up x RL seeds).
 
 Per run (from its ``metrics.jsonl``): held-out pass@1 of the last evaluation, final training reward
 (mean ``reward/mean`` over the last 10 % of steps), steps to the study's reward threshold, entropy
 collapse (``actor/entropy`` over the last 10 % / first 10 % of steps), DIS masked fractions (run
-mean), critic explained variance (last 20 %), and for online runs the steps to recover 90 % of the
+mean), critic explained variance (last 20 %), the step sizes (run means of the per-token advantage
+RMS ``sqrt(advantages/mean² + advantages/std²)``, of ``actor/grad_norm`` before clipping and of
+``actor/update_norm``, the parameter change of a batch's optimizer steps), staleness (run mean of
+``train/staleness_mean``), and for online runs the steps to recover 90 % of the
 pre-shift reward after each phase change; the gains during RL (held-out pass@1 of the last minus the
 first evaluation, or of the starting weights with ``eval.before_train``; training reward of the last
 minus the first 10 % of steps). Per variant: mean
-with a Student-t 95 % CI over seeds.
+with a Student-t 95 % CI over runs.
 
-Seed k of every variant starts from the same supervised warm-up, and the warm-up's spread over
-seeds can dwarf what RL changes. So the second table compares each variant with the first one
-(the reference) seed by seed: the CI of paired differences, which the warm-up's spread cancels out of.
+Run (w, r) of every arm starts from warm-up w's actor with RL seed r, and the warm-up's spread over
+seeds can dwarf what RL changes. So the second table compares each arm with the first one (the
+reference) pair by pair: the CI of the paired differences, which the warm-up's spread cancels out of.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from sao_megatron.study.spec import Plan, PlannedRun
 from sao_megatron.algorithms.stats import adaptation_steps, steps_to_threshold, t_interval
 
 RUN_KEYS = ("heldout_pass_at_1", "heldout_gain", "final_reward", "reward_gain", "steps_to_threshold",
-            "entropy_ratio", "dis_masked_low", "dis_masked_high", "critic_explained_var", "adaptation_steps")
+            "entropy_ratio", "dis_masked_low", "dis_masked_high", "critic_explained_var", "adaptation_steps",
+            "advantage_rms", "grad_norm", "update_norm", "staleness")
 
 
 def _read(run_dir: pathlib.Path) -> list[dict]:
@@ -66,7 +70,11 @@ def run_stats(records: list[dict], *, threshold: float, online: bool) -> dict[st
            "dis_masked_low": _mean(_series(records, "actor/dis_masked_low_frac")[1]),
            "dis_masked_high": _mean(_series(records, "actor/dis_masked_high_frac")[1]),
            "critic_explained_var": _mean(_tail(_series(records, "critic/explained_var")[1], 0.2)),
-           "adaptation_steps": math.nan}
+           "adaptation_steps": math.nan,
+           "advantage_rms": advantage_rms(records),
+           "grad_norm": _mean(_series(records, "actor/grad_norm")[1]),
+           "update_norm": _mean(_series(records, "actor/update_norm")[1]),
+           "staleness": _mean(_series(records, "train/staleness_mean")[1])}
     if online:
         phases = [int(r.get("rollout/phase", 0)) for r in records if isinstance(r.get("reward/mean"), (int, float))]
         adapt = adaptation_steps(steps, reward, phases) if len(phases) == len(reward) else []
@@ -76,17 +84,24 @@ def run_stats(records: list[dict], *, threshold: float, online: bool) -> dict[st
     return out
 
 
+def advantage_rms(records: list[dict]) -> float:
+    """Run mean of the per-step RMS of the token advantages, from their logged mean and population std."""
+    rms = [math.sqrt(r["advantages/mean"] ** 2 + r["advantages/std"] ** 2) for r in records
+           if isinstance(r.get("advantages/mean"), (int, float)) and isinstance(r.get("advantages/std"), (int, float))]
+    return _mean(rms)
+
+
 @dataclass(slots=True)
 class VariantRow:
     variant: str
     shape: str
     describe: str
     runs: list[dict[str, float]] = field(default_factory=list)
-    seeds: list[int] = field(default_factory=list)
-    """The seed index of each of ``runs``."""
+    seeds: list[tuple[int, int]] = field(default_factory=list)
+    """The (warm-up seed, RL seed) pair of each of ``runs``: what the paired table matches on."""
 
     def agg(self, key: str) -> tuple[float, float, float, int]:
-        """(mean, ci_low, ci_high, n) over the seeds that have the metric."""
+        """(mean, ci_low, ci_high, n) over the runs that have the metric."""
         vals = [r[key] for r in self.runs if not math.isnan(r[key])]
         return (*t_interval(vals), len(vals))
 
@@ -101,7 +116,7 @@ def collect(plan: Plan) -> list[VariantRow]:
         records = _read(run.run_dir) if is_done(run) else []
         if records:
             row.runs.append(run_stats(records, threshold=plan.spec.threshold, online=run.online))
-            row.seeds.append(run.seed_index)
+            row.seeds.append(run.pair)
     return list(rows.values())
 
 
@@ -114,7 +129,7 @@ def _fmt(mean: float, low: float, high: float, n: int, digits: int = 3) -> str:
     if n == 0 or math.isnan(mean):
         return "n/a"
     if n == 1:
-        return f"{mean:.{digits}f} (1 seed)"
+        return f"{mean:.{digits}f} (1 run)"
     return f"{mean:.{digits}f} ± {(high - low) / 2:.{digits}f}"
 
 
@@ -122,17 +137,19 @@ _COLUMNS = (("held-out pass@1", "heldout_pass_at_1"), ("held-out gain", "heldout
             ("final train reward", "final_reward"), ("train reward gain", "reward_gain"),
             ("steps to threshold", "steps_to_threshold"), ("entropy last/first", "entropy_ratio"),
             ("DIS masked low", "dis_masked_low"), ("DIS masked high", "dis_masked_high"),
-            ("critic expl. var", "critic_explained_var"), ("adaptation steps", "adaptation_steps"))
+            ("critic expl. var", "critic_explained_var"), ("adaptation steps", "adaptation_steps"),
+            ("advantage RMS", "advantage_rms"), ("grad norm", "grad_norm"), ("update norm", "update_norm"),
+            ("staleness", "staleness"))
 
 
 def write_tables(rows: list[VariantRow], out: pathlib.Path, *, threshold: float) -> tuple[pathlib.Path, pathlib.Path]:
-    """results.md (mean ± 95 % CI half-width over seeds) and results.csv (mean, low, high, n)."""
-    head = "| variant | prompts x rollouts | seeds | " + " | ".join(c for c, _ in _COLUMNS) + " |"
-    lines = [f"Mean ± 95 % CI half-width over seeds (Student t). Threshold for 'steps to threshold': training "
-             f"reward {threshold:g}. n/a: no finished run has the metric.", "", head,
+    """results.md (mean ± 95 % CI half-width over runs) and results.csv (mean, low, high, n)."""
+    head = "| variant | prompts x rollouts | runs | " + " | ".join(c for c, _ in _COLUMNS) + " |"
+    lines = [f"Mean ± 95 % CI half-width over runs (warm-up x RL seeds, Student t). Threshold for 'steps to "
+             f"threshold': training reward {threshold:g}. n/a: no finished run has the metric.", "", head,
              "|" + "---|" * (3 + len(_COLUMNS))]
     for row in rows:
-        cells = [_fmt(*row.agg(k), digits=1 if k in ("steps_to_threshold", "adaptation_steps") else 3)
+        cells = [_fmt(*row.agg(k), digits=1 if k in ("steps_to_threshold", "adaptation_steps") else 4 if k == "update_norm" else 3)
                  for _, k in _COLUMNS]
         lines.append(f"| {row.variant} | {row.shape} | {len(row.runs)} | " + " | ".join(cells) + " |")
     lines += paired_table(rows)
@@ -141,7 +158,7 @@ def write_tables(rows: list[VariantRow], out: pathlib.Path, *, threshold: float)
     path = out / "results.csv"
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["variant", "shape", "seeds"] + [f"{k}_{s}" for _, k in _COLUMNS for s in ("mean", "low", "high", "n")])
+        w.writerow(["variant", "shape", "runs"] + [f"{k}_{s}" for _, k in _COLUMNS for s in ("mean", "low", "high", "n")])
         for row in rows:
             w.writerow([row.variant, row.shape, len(row.runs)] + [v for _, k in _COLUMNS for v in row.agg(k)])
     if len(rows) >= 2:  # results_paired.csv: the paired table's numbers (mean, low, high, pairs)
@@ -158,7 +175,7 @@ _PAIRED = (("Δ held-out pass@1", "heldout_pass_at_1"), ("Δ held-out gain", "he
 
 
 def paired(row: VariantRow, ref: VariantRow, key: str) -> tuple[float, float, float, int]:
-    """(mean, ci_low, ci_high, n) of ``row - ref`` over the seeds both have the metric for."""
+    """(mean, ci_low, ci_high, n) of ``row - ref`` over the (warm-up, RL seed) pairs both have the metric for."""
     mine = {s: r.get(key, math.nan) for s, r in zip(row.seeds, row.runs)}
     theirs = {s: r.get(key, math.nan) for s, r in zip(ref.seeds, ref.runs)}
     diffs = [mine[s] - theirs[s] for s in sorted(mine.keys() & theirs.keys())
@@ -167,12 +184,12 @@ def paired(row: VariantRow, ref: VariantRow, key: str) -> tuple[float, float, fl
 
 
 def paired_table(rows: list[VariantRow]) -> list[str]:
-    """Markdown lines: each variant minus the first one, seed by seed (empty with one variant)."""
+    """Markdown lines: each arm minus the first one, pair by pair (empty with one arm)."""
     if len(rows) < 2:
         return []
     ref = rows[0]
-    lines = ["", f"Paired by seed against `{ref.variant}` (variant minus {ref.variant} on the same seed, mean ± 95 % "
-             "CI half-width; an interval that excludes 0 is a difference the seeds support).", "",
+    lines = ["", f"Paired against `{ref.variant}` (variant minus {ref.variant} on the same warm-up and RL seed, mean "
+             "± 95 % CI half-width; an interval that excludes 0 is a difference the pairs support).", "",
              "| variant | pairs | " + " | ".join(c for c, _ in _PAIRED) + " |", "|" + "---|" * (2 + len(_PAIRED))]
     for row in rows[1:]:
         cells = [paired(row, ref, k) for _, k in _PAIRED]

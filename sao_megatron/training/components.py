@@ -114,8 +114,8 @@ def _log_choices(cfg: ExperimentConfig, ctx: ParallelContext, actor: TrainedMode
 
 def initial_weights(c: Components, cfg: ExperimentConfig) -> None:
     """Collective: the starting weights of a fresh run. The actor from ``actor.load`` (Megatron
-    checkpoint) or ``model.hf_dir`` (HF checkpoint), then the supervised warm-up (``run.sft_steps``);
-    the critic once, from the final starting actor or ``critic.init_from``."""
+    checkpoint) or ``model.hf_dir`` (HF checkpoint), then the supervised warm-up (``run.sft_steps``) and,
+    with ``actor.reset_optimizer_before_rl``, a fresh Adam state for RL; the critic once, from the final starting actor or ``critic.init_from``."""
     from sao_megatron.training.checkpoint import load_checkpoint
 
     if cfg.actor.load:
@@ -129,6 +129,10 @@ def initial_weights(c: Components, cfg: ExperimentConfig) -> None:
 
         supervised_warmup(c.actor, c.task, c.ctx, run=cfg.run, model=cfg.model,
                           max_tokens=cfg.actor.max_tokens_per_microbatch)
+    if cfg.actor.reset_optimizer_before_rl:
+        from sao_megatron.training.optim import reset_optimizer_state
+
+        reset_optimizer_state(c.actor.optimizer)
     if c.critic is None:
         return
     if cfg.critic.init_from != "actor":

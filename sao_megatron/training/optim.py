@@ -87,6 +87,17 @@ def setup_optimizer(model_chunks: Sequence[torch.nn.Module], opt: OptimizerConfi
     return ddp_chunks, optimizer, build_scheduler(optimizer, opt, total_steps=total_steps)
 
 
+def reset_optimizer_state(optimizer) -> None:
+    """Forget Adam's moments and step counts: the next step is a never-stepped optimizer's first (torch
+    Adam creates its state lazily), so a warm-up's gradient statistics do not scale RL's first steps."""
+    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(sub, "optimizer", sub)
+        inner.state.clear()
+        for group in inner.param_groups:
+            if "step" in group:  # fused Adams keep the step count in the group
+                group["step"] = 0
+
+
 def zero_grads(ddp_chunks: Sequence[DistributedDataParallel], optimizer) -> None:
     for chunk in ddp_chunks:
         chunk.zero_grad_buffer()
@@ -110,6 +121,8 @@ class UpdateResult:
     scaler_skip: bool = False
     """fp16 only: the dynamic loss scaler found inf/NaN gradients at a finite loss and lowered the
     scale. Expected during warm-up by design, so not counted as a non-finite step."""
+    update_norm: float | None = None
+    """Norm of this rank's parameter change over the batch's steps (``actor.log_update_norm``; else None)."""
 
 
 def uses_loss_scaler(optimizer) -> bool:

@@ -52,6 +52,8 @@ class PolicySettings:
     """actor.ppo_epochs: passes over the batch."""
     num_minibatches: int = 1
     """actor.num_minibatches: optimizer steps per pass."""
+    update_norm: bool = False
+    """actor.log_update_norm: measure the parameter change of each batch's steps."""
 
 
 def outcome_advantages(batch: LocalBatch, alg: AlgorithmConfig,
@@ -113,13 +115,29 @@ def actor_update(actor, batch: LocalBatch, alg: AlgorithmConfig, settings: Polic
             mb["old_logprobs"] = lp
     groups = minibatch_groups(batch, settings.num_minibatches)
     counts = _global_counts(batch, groups, ctx)
+    before = param_snapshot(actor.chunks) if settings.update_norm else None
     results = []
     for _ in range(settings.ppo_epochs):
         for idx, count in zip(groups, counts):
             mbs = [batch.microbatches[i] for i in idx]
             results.append(optimizer_step(actor.ddp, actor.optimizer, actor.scheduler, mbs,
                                           _policy_loss_fn(obj, alg, settings, count, ctx), ctx=ctx))
-    return _combine(results)
+    result = _combine(results)
+    if before is not None:
+        result.update_norm = update_norm(actor.chunks, before)
+    return result
+
+
+def param_snapshot(chunks: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+    """A copy of this rank's trainable parameters (``update_norm`` compares against it)."""
+    return [p.detach().clone() for c in chunks for p in c.parameters() if p.requires_grad]
+
+
+def update_norm(chunks: Sequence[torch.nn.Module], before: list[torch.Tensor]) -> float:
+    """``‖θ_now − θ_before‖`` over this rank's trainable parameters, in float64."""
+    now = [p.detach() for c in chunks for p in c.parameters() if p.requires_grad]
+    sq = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(now, before, strict=True))
+    return sq ** 0.5
 
 
 def _policy_loss_fn(obj: Objective, alg: AlgorithmConfig, settings: PolicySettings, counts: dict[str, int], ctx):
@@ -210,4 +228,6 @@ def summary(result: UpdateResult, prefix: str) -> dict[str, Any]:
     if prefix == "actor":
         out |= {"actor/grad_norm": result.grad_norm or 0.0, "actor/update_applied": float(result.applied),
                 "actor/scaler_skip": float(result.scaler_skip)}
+        if result.update_norm is not None:
+            out["actor/update_norm"] = result.update_norm
     return out

@@ -54,7 +54,8 @@ class Trainer:
         self.guard = NonFiniteGuard(cfg.run.max_nan_steps)
         self.policy = rl_step.PolicySettings(vocab_size=cfg.model.vocab_size, temperature=cfg.rollout.temperature,
                                              entropy_coef=cfg.actor.entropy_coef, ppo_epochs=cfg.actor.ppo_epochs,
-                                             num_minibatches=cfg.actor.num_minibatches)
+                                             num_minibatches=cfg.actor.num_minibatches,
+                                             update_norm=cfg.actor.log_update_norm)
         self.rollout = None
         self.weight_sync = None  # rollout.weight_sync=distributed: every rank sends the tensors it owns
         self.logger = (MetricsLogger(self.run_dir, cfg.logging, run_name=self.run_dir.name,

@@ -1,6 +1,7 @@
-"""One-variant smoke test of `sao-megatron study`: real `sao-megatron train` subprocess on the
-tool_chain task, periodic held-out evaluation on the embedded engine, tables, and a second
-invocation that skips the finished run. Over a minute on 2 cores (Megatron + engine start): slow."""
+"""One-variant smoke test of `sao-megatron study`: a real shared warm-up (`sao-megatron sft`) and a
+real `sao-megatron train` subprocess that loads it, on the tool_chain task, periodic held-out
+evaluation on the embedded engine, tables, and a second invocation that skips the finished runs.
+Over a minute on 2 cores (Megatron + engine start): slow."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 STUDY = """
 base: {base}
 samples_per_run: 16
-seeds: 1
+warmup: {{seeds: 1, overrides: {{run.sft_steps: 5, run.sft_batch_size: 16}}}}
+rl_seeds: 1
 jobs: 1
 threshold: 0.5
 common:
-  run.sft_steps: 5
-  run.sft_batch_size: 16
+  actor.reset_optimizer_before_rl: true
+  actor.log_update_norm: true
   scheduler.batch_size: 8
   scheduler.concurrency: 16
   critic.pretrain_steps: 0
@@ -51,17 +53,21 @@ def test_one_variant_study_runs_evaluates_and_resumes(tmp_path):
     proc = _study(tmp_path, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "sao" in proc.stdout and "8x1" in proc.stdout and "estimated time" in proc.stdout
-    assert (out / "sao" / "seed0" / "study_done.json").is_file() and not (out / "grpo").exists()
+    assert (out / "warmup" / "w0" / "sft_actor" / "metadata.json").is_file()
+    assert (out / "sao" / "w0r0" / "study_done.json").is_file() and not (out / "grpo").exists()
+    assert "loaded checkpoint " + str(out.resolve() / "warmup" / "w0" / "sft_actor") in (
+        out / "sao" / "w0r0" / "train.log").read_text()
     row = next(csv.DictReader((out / "results.csv").open()))
-    assert row["variant"] == "sao" and row["seeds"] == "1"
+    assert row["variant"] == "sao" and row["runs"] == "1"
+    assert float(row["update_norm_mean"]) > 0 and float(row["advantage_rms_mean"]) > 0
     assert 0.0 <= float(row["heldout_pass_at_1_mean"]) <= 1.0 and not math.isnan(float(row["final_reward_mean"]))
     assert (out / "plots" / "heldout_pass_at_1.png").is_file()
-    records = [json.loads(ln) for ln in (out / "sao" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(ln) for ln in (out / "sao" / "w0r0" / "metrics.jsonl").read_text().splitlines()]
     starts = [r for r in records if "eval_start/pass_at_1" in r]  # eval.before_train reached the trainer
     assert [r["step"] for r in starts] == [0] and starts[0]["eval_start/num_prompts"] == 8
     again = _study(tmp_path, out)
-    assert again.returncode == 0 and "start sao" not in again.stdout
-    _eval_cli_matches_the_trainers_final_eval(out / "sao" / "seed0", tmp_path)
+    assert again.returncode == 0 and "start " not in again.stdout  # neither the warm-up nor the run again
+    _eval_cli_matches_the_trainers_final_eval(out / "sao" / "w0r0", tmp_path)
 
 
 def _eval_cli_matches_the_trainers_final_eval(run: pathlib.Path, tmp_path):

@@ -17,41 +17,112 @@ from sao_megatron.study.summary import collect, run_stats, write_tables
 
 pytestmark = pytest.mark.unit
 STUDY = "configs/studies/paper-miniature.yaml"
-TODAY = ["sao", "grpo", "grpo_dis", "grpo_dis_equal_diversity", "sao_group_shaped", "running_mean", "full_critic",
-         "critic_k1", "no_value_pretrain", "gae_plain", "sao_online", "grpo_online"]
+FULL = ["sao", "grpo", "grpo_epochs", "grpo_dis", "grpo_dis_no_std", "grpo_dis_equal_diversity",
+        "grpo_dis_equal_diversity_steps", "sao_staleness2", "sao_staleness4", "sao_group_shaped", "running_mean",
+        "running_mean_exact", "full_critic", "critic_k1", "no_value_pretrain", "gae_plain", "sao_online",
+        "grpo_online"]
+
+
+def _sets(run) -> dict[str, str]:
+    return dict(s.split("=", 1) for s in run.overrides)
 
 
 def test_plan_shapes_and_equal_sample_budget(tmp_path):
     spec, base = load_study(STUDY)
-    plan = build_plan(spec, base, tmp_path, variants=TODAY, seeds=2)
-    assert not plan.errors and len(plan.runs) == 2 * len(TODAY)
+    plan = build_plan(spec, base, tmp_path, variants=FULL, seeds=2, warmup_seeds=2)
+    assert not plan.errors and len(plan.runs) == 2 * 2 * len(FULL)
     shape = {r.variant: (r.batch_size // r.group_size, r.group_size, r.num_steps) for r in plan.runs}
     b = 32
     assert shape["sao"] == (b, 1, 100) and shape["grpo"] == (b // 8, 8, 100) and shape["grpo_dis"] == (b // 8, 8, 100)
     assert shape["grpo_dis_equal_diversity"] == (b, 8, 12) and shape["sao_group_shaped"] == (b // 8, 8, 100)
-    for r in plan.runs:  # equal sample budget, up to the rounding of a step
-        assert spec.samples_per_run - r.batch_size < r.num_steps * r.batch_size <= spec.samples_per_run
-    seeds = sorted({s for r in plan.runs if r.variant == "sao" for s in r.overrides if s.startswith("run.seed")})
-    assert seeds == ["run.seed=1234", "run.seed=1235"]
+    # the equal-steps control: as many steps as SAO, 8x the samples
+    assert shape["grpo_dis_equal_diversity_steps"] == (b, 8, shape["sao"][2])
+    for r in plan.runs:  # equal sample budget, up to the rounding of a step (the equal-steps arm aside)
+        if r.variant != "grpo_dis_equal_diversity_steps":
+            assert spec.samples_per_run - r.batch_size < r.num_steps * r.batch_size <= spec.samples_per_run
 
 
-def test_every_variant_of_the_full_matrix_loads_and_a_bad_one_is_reported_not_run(tmp_path):
+def test_nested_design_every_arm_loads_the_shared_warmup_and_pairs_by_warmup_and_rl_seed(tmp_path):
     spec, base = load_study(STUDY)
-    plan = build_plan(spec, base, tmp_path, variants=select_variants(spec, full=True, only=None), seeds=1)
+    plan = build_plan(spec, base, tmp_path, variants=["sao", "grpo"], seeds=3, warmup_seeds=2)
+    assert [w.index for w in plan.warmups] == [0, 1]
+    assert [dict(s.split("=", 1) for s in w.overrides)["run.seed"] for w in plan.warmups] == ["1234", "1235"]
+    assert all(w.actor.parent.parent == (tmp_path / "warmup").resolve() for w in plan.warmups)
+    for arm in ("sao", "grpo"):
+        runs = [r for r in plan.runs if r.variant == arm]
+        assert sorted(r.pair for r in runs) == [(w, r) for w in (0, 1) for r in (0, 1, 2)]
+        for r in runs:
+            sets = _sets(r)
+            assert sets["run.sft_steps"] == "0"  # no warm-up inside an arm
+            assert sets["actor.load"] == f'"{plan.warmups[r.warmup_index].actor}"'
+    # the same (warm-up, RL seed) gets the same RL seed in every arm, and distinct pairs distinct seeds
+    seed = {(r.variant, r.pair): _sets(r)["run.seed"] for r in plan.runs}
+    assert all(seed["sao", p] == seed["grpo", p] for _, p in seed)
+    assert len({seed["sao", p] for _, p in seed}) == 6
+    assert not {seed["sao", p] for _, p in seed} & {"1234", "1235"}  # never a warm-up's seed
+    assert len({r.run_dir for r in plan.runs}) == len(plan.runs)
+
+
+def test_every_variant_resolves_to_a_valid_config_and_a_bad_one_is_reported_not_run(tmp_path):
+    from sao_megatron.config import load_config
+
+    spec, base = load_study(STUDY)
+    assert select_variants(spec, full=True, only=None) == FULL
+    plan = build_plan(spec, base, tmp_path, variants=FULL, seeds=1, warmup_seeds=1)
     assert not plan.errors
+    for r in plan.runs:  # each arm's exact --set list loads under strict validation
+        load_config(base, r.overrides)
+    assert select_variants(spec, full=False, only=None) == ["sao", "grpo"]
     spec.variants["broken"] = dataclasses.replace(spec.variants["grpo"], overrides={"actor.no_such_key": 1})
-    plan = build_plan(spec, base, tmp_path, variants=["sao", "broken"], seeds=1)
-    assert set(plan.errors) == {"broken"} and "no_such_key" in plan.errors["broken"]
-    assert select_variants(spec, full=False, only=None) == ["sao", "grpo", "grpo_dis"]
+    # strict validation: GRPO does not read GAE's lambda, so the base's 0.95 left in place is refused
+    spec.variants["grpo_lam"] = dataclasses.replace(spec.variants["grpo"], overrides={"algorithm.name": "grpo"})
+    plan = build_plan(spec, base, tmp_path, variants=["sao", "broken", "grpo_lam"], seeds=1, warmup_seeds=1)
+    assert set(plan.errors) == {"broken", "grpo_lam"} and "no_such_key" in plan.errors["broken"]
+    assert "algorithm.gae.lam" in plan.errors["grpo_lam"]
+    assert {r.variant for r in plan.runs} == {"sao"}
     with pytest.raises(ValueError, match="unknown"):
         select_variants(spec, full=False, only=["nope"])
 
 
-def test_dry_run_prints_the_plan_and_an_estimate(tmp_path, capsys):
-    assert main(["study", "--config", STUDY, "--out", str(tmp_path), "--dry-run", "--seeds", "2"]) == 0
+def test_arms_differ_from_their_reference_only_where_they_say(tmp_path):
+    """The primary GRPO arm takes SAO's one optimizer step per batch; the epochs arm is the only one
+    with more; the staleness sweep changes only the staleness (and the room in flight for it)."""
+    from sao_megatron.config import load_config
+
+    spec, base = load_study(STUDY)
+    plan = build_plan(spec, base, tmp_path, variants=FULL, seeds=1, warmup_seeds=1)
+    cfgs = {r.variant: load_config(base, r.overrides) for r in plan.runs}
+    steps = {v: c.actor.ppo_epochs * c.actor.num_minibatches for v, c in cfgs.items()}
+    assert {v for v, n in steps.items() if n != 1} == {"grpo_epochs"} and steps["grpo_epochs"] == 8
+    assert [cfgs[v].scheduler.max_staleness for v in ("sao", "sao_staleness2", "sao_staleness4")] == [1, 2, 4]
+    for v, eta in (("sao_staleness2", 2), ("sao_staleness4", 4)):
+        assert cfgs[v].scheduler.concurrency >= (eta + 1) * cfgs[v].scheduler.batch_size
+        assert cfgs[v].algorithm == cfgs["sao"].algorithm and cfgs[v].critic == cfgs["sao"].critic
+    assert cfgs["grpo"].algorithm.name == "grpo" and cfgs["grpo"].scheduler.batch_size == cfgs["sao"].scheduler.batch_size
+    assert all(c.eval.num_prompts == 512 and c.eval.before_train for c in cfgs.values())
+
+
+def test_dry_run_lists_the_nested_design_and_every_variant(tmp_path, capsys):
+    assert main(["study", "--config", STUDY, "--out", str(tmp_path), "--full", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "sao " in out and "32x1" in out and "4x8" in out and "estimated time:" in out
+    assert "2 warm-up seeds x 4 RL seeds = 8 paired runs per arm" in out
+    assert "warm-up w0: sao-megatron sft run.sft_steps=100 run.seed=1234" in out and "warm-up w1:" in out
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in FULL}
+    assert sorted(rows) == sorted(FULL)
+    assert rows["grpo_dis_equal_diversity_steps"][1:5] == ["32x8", "100", "25600", "8"]
+    assert rows["grpo_dis_equal_diversity"][1:5] == ["32x8", "12", "3072", "8"]
+    assert rows["sao_staleness4"][1:3] == ["32x1", "100"] and rows["grpo"][1:3] == ["4x8", "100"]
+    assert "pairs (warm-up, RL seed): w0r0 w0r1 w0r2 w0r3 w1r0 w1r1 w1r2 w1r3" in out
+    assert "estimated time:" in out
     assert not any(tmp_path.iterdir())  # nothing ran
+
+
+def test_default_study_is_sao_against_the_primary_grpo_arm_over_all_pairs(tmp_path, capsys):
+    assert main(["study", "--config", STUDY, "--out", str(tmp_path), "--dry-run", "--seeds", "2",
+                 "--warmup-seeds", "3"]) == 0
+    out = capsys.readouterr().out
+    arms = [ln.split()[0] for ln in out.splitlines() if ln.split() and ln.split()[0] in FULL]
+    assert arms == ["sao", "grpo"] and "3 warm-up seeds x 2 RL seeds = 6 paired runs per arm" in out
 
 
 def _records(rewards, *, entropy=None, evals=None, phases=None, ev=None):
@@ -92,65 +163,98 @@ def test_run_stats_by_hand():
     assert online["adaptation_steps"] == 6  # trailing 5-mean >= 0.9 first at index 16 = 6 steps after the shift
 
 
-def _fake_train(tmp_path):
-    """A stand-in for `sao-megatron train`: writes metrics from its --set run.seed, fails on seed 1235 once."""
-    script = tmp_path / "fake_train.py"
+def _fake_cli(tmp_path):
+    """A stand-in for `sao-megatron sft|train`: sft writes an actor checkpoint's metadata.json (and fails
+    for the seed named in FAIL_SFT); train checks it loads one and writes metrics from its run.seed,
+    failing once on seed 2235."""
+    script = tmp_path / "fake_cli.py"
     script.write_text(
-        "import json, pathlib, sys\n"
+        "import json, os, pathlib, sys\n"
         "a = sys.argv\n"
         "run = pathlib.Path(a[a.index('--run-dir') + 1]); run.mkdir(parents=True, exist_ok=True)\n"
         "sets = {a[i + 1].split('=', 1)[0]: a[i + 1].split('=', 1)[1] for i, x in enumerate(a) if x == '--set'}\n"
-        "seed, steps = int(sets['run.seed']), int(sets['run.num_steps'])\n"
+        "seed = int(sets['run.seed'])\n"
+        "if a[1] == 'sft':\n"
+        "    if str(seed) == os.environ.get('FAIL_SFT'): sys.exit(4)\n"
+        "    (run / 'sft_actor').mkdir(); (run / 'sft_actor' / 'metadata.json').write_text('{}'); sys.exit(0)\n"
+        "assert sets['run.sft_steps'] == '0' and (pathlib.Path(json.loads(sets['actor.load'])) / 'metadata.json').is_file()\n"
+        "steps = int(sets['run.num_steps'])\n"
         "flag = run / 'tried'\n"
-        "if seed == 1235 and not flag.exists():\n"
+        "if seed == 2235 and not flag.exists():\n"
         "    flag.write_text(''); sys.exit(3)\n"
         "with (run / 'metrics.jsonl').open('w') as f:\n"
         "    for i in range(steps):\n"
-        "        f.write(json.dumps({'step': i, 'reward/mean': (seed - 1234) * 0.5, 'eval/pass_at_1': (seed - 1234) * 0.5}) + '\\n')\n")
+        "        f.write(json.dumps({'step': i, 'reward/mean': (seed - 2234) * 0.5, 'eval/pass_at_1': (seed - 2234) * 0.5}) + '\\n')\n")
     return script
 
 
-def test_execute_is_resumable_and_tables_aggregate_over_seeds(tmp_path, monkeypatch):
+def _fake_commands(monkeypatch, fake):
+    monkeypatch.setattr(runner, "train_command", lambda p, r: [sys.executable, str(fake), "train", "--run-dir",
+                                                               str(r.run_dir)] + [x for s in r.overrides for x in ("--set", s)])
+    monkeypatch.setattr(runner, "warmup_command", lambda p, w: [sys.executable, str(fake), "sft", "--run-dir",
+                                                                str(w.run_dir)] + [x for s in w.overrides for x in ("--set", s)])
+
+
+def test_execute_warms_up_first_is_resumable_and_tables_aggregate_over_pairs(tmp_path, monkeypatch):
     spec, base = load_study(STUDY)
     spec.samples_per_run = 64
-    plan = build_plan(spec, base, tmp_path / "out", variants=["sao"], seeds=3)
-    fake = _fake_train(tmp_path)
-    monkeypatch.setattr(runner, "train_command", lambda p, r: [sys.executable, str(fake), "--run-dir", str(r.run_dir)]
-                        + [x for s in r.overrides for x in ("--set", s)])
-    failed = runner.execute(plan, 2, on_event=lambda m: None, poll_s=0.05)
+    plan = build_plan(spec, base, tmp_path / "out", variants=["sao"], seeds=3, warmup_seeds=1)
+    _fake_commands(monkeypatch, _fake_cli(tmp_path))
+    events = []
+    failed = runner.execute(plan, 2, on_event=events.append, poll_s=0.05)
+    assert events[0].startswith("start warm-up w0") and events[1].startswith("done  warm-up w0")
     assert [r.seed_index for r in failed] == [1]
-    assert [runner.is_done(r) for r in plan.runs] == [True, False, True]
+    assert [runner.is_done(r) for r in plan.runs] == [True, False, True] and runner.is_done(plan.warmups[0])
     assert runner.estimate_seconds(plan, 1) > 0
     started = []
     assert runner.execute(plan, 2, on_event=started.append, poll_s=0.05) == []
-    assert sum(m.startswith("start") for m in started) == 1  # finished runs are skipped
+    assert [m.split(" ->")[0] for m in started if m.startswith("start")] == ["start sao w0 r1: 2 steps"]
     md, csv_path = write_tables(collect(plan), tmp_path, threshold=0.5)
     row = next(csv.DictReader(csv_path.open()))
-    assert row["variant"] == "sao" and row["seeds"] == "3"
-    assert float(row["heldout_pass_at_1_mean"]) == pytest.approx(0.5)  # seeds give 0, 0.5, 1.0
+    assert row["variant"] == "sao" and row["runs"] == "3"
+    assert float(row["heldout_pass_at_1_mean"]) == pytest.approx(0.5)  # runs give 0, 0.5, 1.0
     assert float(row["heldout_pass_at_1_high"]) - 0.5 == pytest.approx(4.302652729911275 * 0.5 / math.sqrt(3))
     assert "| sao | 32x1 | 3 | 0.500 ± 1.242" in md.read_text()
 
 
-def test_paired_table_differences_seed_by_seed():
-    """Variant minus reference on the same seed, against a hand recount; a seed only one side
-    finished is left out. A shared per-seed offset (the warm-up) cancels: the paired interval is
-    narrow where the unpaired ones are wide."""
+def test_a_failed_warmup_fails_its_arms_without_starting_them(tmp_path, monkeypatch):
+    spec, base = load_study(STUDY)
+    spec.samples_per_run = 64
+    plan = build_plan(spec, base, tmp_path / "out", variants=["sao", "grpo"], seeds=1, warmup_seeds=2)
+    _fake_commands(monkeypatch, _fake_cli(tmp_path))
+    monkeypatch.setenv("FAIL_SFT", "1235")  # warm-up w1
+    events = []
+    failed = runner.execute(plan, 1, on_event=events.append, poll_s=0.05)
+    assert sorted((getattr(f, "variant", "warm-up"), f.run_dir.name) for f in failed) == [
+        ("grpo", "w1r0"), ("sao", "w1r0"), ("warm-up", "w1")]
+    assert not any("w1 r0" in m for m in events if m.startswith("start"))
+    assert [r.pair for r in plan.runs if runner.is_done(r)] == [(0, 0), (0, 0)]
+
+
+def test_paired_table_matches_runs_by_warmup_and_rl_seed():
+    """Variant minus reference on the same (warm-up, RL seed) pair, against a hand recount; a pair only
+    one side finished is left out. A shared per-warm-up offset cancels: the paired interval is narrow
+    where the unpaired ones are wide."""
     from sao_megatron.algorithms.stats import t_interval
     from sao_megatron.study.summary import VariantRow, paired, paired_table
 
-    warmup = {0: 0.8, 1: 0.01, 2: 0.16, 3: 0.5}
-    ref = VariantRow("sao", "32x1", "", seeds=[0, 1, 2],
-                     runs=[{"heldout_pass_at_1": warmup[s] + 0.02 * s} for s in (0, 1, 2)])
-    other = VariantRow("grpo", "4x8", "", seeds=[2, 0, 1, 3],
-                       runs=[{"heldout_pass_at_1": warmup[s] - 0.05 + 0.01 * s} for s in (2, 0, 1, 3)])
-    diffs = [(warmup[s] - 0.05 + 0.01 * s) - (warmup[s] + 0.02 * s) for s in (0, 1, 2)]
+    warmup = {0: 0.8, 1: 0.01}  # the start each warm-up leaves; RL seed r adds its own offset
+    start = {(w, r): warmup[w] + 0.03 * r for w in (0, 1) for r in (0, 1, 2)}
+    ref_pairs = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    other_pairs = [(1, 1), (0, 0), (1, 0), (0, 1), (0, 2)]  # (0, 2): the reference did not finish it
+    ref = VariantRow("sao", "32x1", "", seeds=ref_pairs,
+                     runs=[{"heldout_pass_at_1": start[p] + 0.02} for p in ref_pairs])
+    other = VariantRow("grpo", "4x8", "", seeds=other_pairs,
+                       runs=[{"heldout_pass_at_1": start[p] - 0.05 + 0.01 * p[1]} for p in other_pairs])
+    # a slow recount: match every pair by hand (same warm-up AND same RL seed)
+    diffs = [o["heldout_pass_at_1"] - r["heldout_pass_at_1"]
+             for po, o in zip(other_pairs, other.runs) for pr, r in zip(ref_pairs, ref.runs) if po == pr]
     mean, low, high, n = paired(other, ref, "heldout_pass_at_1")
-    assert n == 3 and (mean, low, high) == pytest.approx(t_interval(diffs))
-    assert high < 0  # the seeds support "grpo is lower"
+    assert n == 4 and (mean, low, high) == pytest.approx(t_interval(diffs))
+    assert high < 0  # the pairs support "grpo is lower"
     assert ref.agg("heldout_pass_at_1")[2] - ref.agg("heldout_pass_at_1")[1] > 10 * (high - low)
     table = "\n".join(paired_table([ref, other]))
-    assert "| grpo | 3 | " + f"{mean:.3f} ± {(high - low) / 2:.3f}" in table
+    assert "| grpo | 4 | " + f"{mean:.3f} ± {(high - low) / 2:.3f}" in table
     assert paired_table([ref]) == []
 
 
@@ -162,3 +266,24 @@ def test_heldout_curve_starts_at_the_starting_weights():
     recs[0]["eval_start/pass_at_1"] = 0.2
     assert _curve(recs, "eval/pass_at_1") == ([-1, 9, 19], [0.2, 0.3, 0.4])  # drawn at 0 trained samples
     assert _curve(recs, "reward/mean")[0] == list(range(20))
+
+
+def test_step_size_columns_by_hand():
+    """Advantage RMS from the logged mean and population std (checked against the tokens themselves),
+    grad and update norms as run means, staleness as the run mean of the per-step mean."""
+    import torch
+
+    from sao_megatron.algorithms.metrics import advantage_stats
+
+    steps = [torch.tensor([[0.5, -1.0, 2.0]]), torch.tensor([[0.1, 0.1, -0.3]])]
+    recs = []
+    for i, adv in enumerate(steps):
+        stats = {k: float(v) for k, v in advantage_stats(adv, torch.ones_like(adv)).items()}
+        recs.append({"step": i, "reward/mean": 0.1, **stats, "actor/grad_norm": 1.0 + i,
+                     "actor/update_norm": 0.01 * (i + 1), "train/staleness_mean": 0.5 * i})
+    s = run_stats(recs, threshold=0.5, online=False)
+    rms = [float(adv.pow(2).mean().sqrt()) for adv in steps]
+    assert s["advantage_rms"] == pytest.approx(sum(rms) / 2)
+    assert s["grad_norm"] == pytest.approx(1.5) and s["update_norm"] == pytest.approx(0.015)
+    assert s["staleness"] == pytest.approx(0.25)
+    assert math.isnan(run_stats(_records([0.1, 0.2]), threshold=0.5, online=False)["update_norm"])
