@@ -2,7 +2,7 @@
 
     python dsa_topk_agreement.py RESULTS.json [--lengths 2048,8192] [--topk 2048] [--device cuda]
 
-A tiny indexer (16 heads of dim 64, GLM-5's top-k of 2048) on random hidden states: q = x Wq,
+A tiny indexer (GLM-5's 32 heads of dim 128 and top-k of 2048, hidden size 256) on random hidden states: q = x Wq,
 k = x Wk, per-head weights w = x Ww, as DSAIndexer computes them (no rope: it rotates q and k alike).
 Megatron scores with ``dsa._compute_index_scores`` (fp32 einsum, ReLU, weighted head sum). SGLang's
 indexer (DeepSeek-V3.2's ``fp8_index``) scores FP8 copies: q per (token, head) and k per token
@@ -21,7 +21,8 @@ import sys
 import torch
 from megatron.core.transformer.experimental_attention_variant.dsa import _compute_index_scores
 
-HEADS, DIM, HIDDEN = 16, 64, 256
+HEADS, DIM, HIDDEN = 32, 128, 256
+"""GLM-5's indexer shape (index_n_heads 32, index_head_dim 128: one FP8 scale block per head) on a tiny hidden size."""
 E4M3_MAX = 448.0
 
 
