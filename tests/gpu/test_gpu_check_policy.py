@@ -182,3 +182,25 @@ def test_weight_sync_transport_compares_bf16_sent_in_the_engines_float32(tmp_pat
     res = json.loads(out.read_text())
     assert res["equal"] == res["tensors"] == 4 and res["as_sent_differ"] == 4
     assert lib.judge_sync(res, backend="gloo", gpu=False).status == "PASS"
+
+
+def test_dsa_topk_fp8_emulation_is_close_to_megatrons_scores_and_agreement_is_exact_on_itself():
+    """The dsa-topk check's plumbing on CPU at a short length: FP8 scores track megatron's fp32
+    ``_compute_index_scores`` to e4m3 precision, a selection agrees with itself exactly, and FP8
+    flips some near-tied keys (agreement below 1 but far above chance)."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "tests" / "gpu" / "mp_scripts"))
+    import dsa_topk_agreement as dt
+    from megatron.core.transformer.experimental_attention_variant.dsa import _compute_index_scores
+
+    g = torch.Generator().manual_seed(1)
+    s, topk = 384, 64
+    q, k = torch.randn(s, 1, 4, 128, generator=g), torch.randn(s, 1, 128, generator=g)
+    w = torch.randn(s, 1, 4, generator=g)
+    ref, fp8 = _compute_index_scores(q, w, k), dt.fp8_scores(q, w, k)
+    assert float((fp8 - ref).norm() / ref.norm()) < 0.1  # e4m3: 3 mantissa bits, ~6 % per element at most
+    ref_k, fp8_k = dt.causal_topk(ref, topk), dt.causal_topk(fp8, topk)
+    assert dt.agreement(ref_k, ref_k, topk, s)[0] == 1.0
+    mean, worst, n = dt.agreement(ref_k, fp8_k, topk, s)
+    assert n == s - topk and 0.7 < mean < 1.0 and worst <= mean
