@@ -42,7 +42,7 @@ while [[ $# -gt 0 ]]; do
     --require-te) TE=require; shift ;;
     --no-te) TE=off; shift ;;
     --list) PASS_ARGS+=("$1"); shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -204,3 +204,13 @@ def test_dsa_topk_fp8_emulation_is_close_to_megatrons_scores_and_agreement_is_ex
     assert dt.agreement(ref_k, ref_k, topk, s)[0] == 1.0
     mean, worst, n = dt.agreement(ref_k, fp8_k, topk, s)
     assert n == s - topk and 0.7 < mean < 1.0 and worst <= mean
+
+
+def test_gpu_mode_without_a_gpu_fails_with_exit_code_one(tmp_path):
+    """End to end through the real env probe: GPU mode on this CPU box is a FAIL line and rc 1."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--mode", "gpu", "--only", "env",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = json.loads((tmp_path / "gpu_check_summary.json").read_text())["lines"][0]
+    assert line["status"] == "FAIL" and "no CUDA device" in line["detail"]
