@@ -30,6 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 import gpu_check_lib as lib  # noqa: E402  (after the path insert: a sibling module)
+import gpu_check_multi as multi  # noqa: E402
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -50,9 +51,9 @@ CHECKS = [
     Check(name="gpu-tests", run=lib.check_gpu_tests, timeout_s={"gpu": 120, "cpu": 5}),
     Check(name="sao-run", run=lib.check_sao_run, timeout_s={"gpu": 100, "cpu": 1500}),
     Check(name="parity", run=lib.check_parity, timeout_s={"gpu": 45, "cpu": 900}),
-    Check(name="weight-sync", run=lib.check_weight_sync, timeout_s={"gpu": 30, "cpu": 120}),
-    Check(name="tp2-ep2", run=lib.check_tp_ep_layouts, timeout_s={"gpu": 60, "cpu": 5}),
-    Check(name="dsa-topk", run=lib.check_dsa_topk, timeout_s={"gpu": 30, "cpu": 5}),
+    Check(name="weight-sync", run=multi.check_weight_sync, timeout_s={"gpu": 30, "cpu": 120}),
+    Check(name="tp2-ep2", run=multi.check_tp_ep_layouts, timeout_s={"gpu": 60, "cpu": 5}),
+    Check(name="dsa-topk", run=multi.check_dsa_topk, timeout_s={"gpu": 30, "cpu": 5}),
     Check(name="memory-vs-plan", run=lib.check_memory, timeout_s={"gpu": 40, "cpu": 300}),
     Check(name="bench-gae", run=lib.check_bench_gae, timeout_s={"gpu": 10, "cpu": 300}),
     Check(name="bench-logprobs", run=lib.check_bench_logprobs, timeout_s={"gpu": 14, "cpu": 300}),

@@ -20,21 +20,25 @@ PeakFn = Callable[..., tuple]
 
 
 def dsa_fit_errors(cfg: ExperimentConfig, lay, peak_gib: float, budget_gib: float, *, peak: PeakFn) -> list[str]:
-    """A clear refusal when DSA's attention memory is what does not fit: the backend, the sequence,
-    the sizes, and the two ways out (a fused backend, or the longest sequence that fits)."""
+    """A clear refusal when the unfused DSA path is what does not fit (the same plan with a fused
+    backend would): the backend, the sequence, the sizes, and the two ways out (a fused backend, or
+    the longest sequence that fits unfused)."""
     m = cfg.model
-    if m.experimental_attention_variant != "dsa" or peak_gib <= budget_gib:
+    if (m.experimental_attention_variant != "dsa" or peak_gib <= budget_gib
+            or m.dsa_kernel_backend in mla_sizes.FUSED_DSA_BACKENDS):
         return []
+    fused = dataclasses.replace(cfg, model=dataclasses.replace(m, dsa_kernel_backend="tilelang"))
+    if peak(fused, lay)[0] > budget_gib:
+        return []  # it would not fit with fused kernels either: the generic memory verdict says why
     seq = cfg.data.max_total_tokens
     tokens = max(cfg.actor.max_tokens_per_microbatch, cfg.critic.max_tokens_per_microbatch)
     _, transient = mla_sizes.dsa_attention_bytes(m, tp=lay.tp, seq=min(seq, tokens), batch=max(tokens // seq, 1))
-    if transient / GIB < peak_gib - budget_gib and m.dsa_kernel_backend in mla_sizes.FUSED_DSA_BACKENDS:
-        return []  # something else does not fit: the generic memory verdict says so
     fits = _longest_fitting_sequence(cfg, lay, budget_gib, peak)
     way = (f"cap data.max_total_tokens at {fits}" if fits else "no sequence length fits this layout")
     return [f"model.dsa_kernel_backend={m.dsa_kernel_backend} at data.max_total_tokens={seq}: DSA attention needs "
-            f"{transient / GIB:.1f} GiB per GPU for one layer (unfused: fp32 s x b x {m.dsa_indexer_n_heads} indexer heads x s "
-            f"scores, twice during ReLU/weighting, then b x {m.num_attention_heads // lay.tp} heads x s x s); "
+            f"{transient / GIB:.1f} GiB per GPU for one layer (unfused: fp32 s x b x {m.dsa_indexer_n_heads} "
+            f"indexer heads x s scores, twice during ReLU/weighting, then b x {m.num_attention_heads // lay.tp} "
+            f"heads x s x s); "
             f"the trainer would need {peak_gib:.1f} of {budget_gib:.1f} GiB. Set model.dsa_kernel_backend=tilelang "
             f"(CUDA + tilelang, prepared by scripts/gpu_wheels.sh), or {way} with the unfused path"]
 

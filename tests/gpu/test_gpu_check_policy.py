@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import gpu_check  # noqa: E402
 import gpu_check_lib as lib  # noqa: E402
+import gpu_check_multi as multi  # noqa: E402
 import gpu_env  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -81,7 +82,7 @@ def test_layouts_attempt_never_turns_unsupported_into_skip():
 
 def _rows(**override):
     rows = []
-    for name, sizes in lib.LAYOUT_SIZES.items():
+    for name, sizes in multi.LAYOUT_SIZES.items():
         for part in (name, f"{name} critic"):
             rows.append({"layout": part, "status": "PASS", "detail": "d", **sizes, "backend": "gloo"})
     for r in rows:
@@ -90,19 +91,19 @@ def _rows(**override):
 
 
 def test_layout_rows_honour_exit_code_sizes_and_missing_parts():
-    assert [ln.status for ln in lib.judge_layout_rows(_rows(), 0, "gloo")] == ["PASS"] * 4
-    assert "FAIL" in [ln.status for ln in lib.judge_layout_rows(_rows(), 1, "gloo")]  # ranks crashed after
-    bad = lib.judge_layout_rows(_rows(tp2={"dp": 2}), 0, "gloo")
+    assert [ln.status for ln in multi.judge_layout_rows(_rows(), 0, "gloo")] == ["PASS"] * 4
+    assert "FAIL" in [ln.status for ln in multi.judge_layout_rows(_rows(), 1, "gloo")]  # ranks crashed after
+    bad = multi.judge_layout_rows(_rows(tp2={"dp": 2}), 0, "gloo")
     assert bad[0].status == "FAIL" and "expected" in bad[0].detail
-    assert lib.judge_layout_rows(_rows(), 0, "nccl")[0].status == "FAIL"  # asked NCCL, ran gloo
-    assert lib.judge_layout_rows(_rows(tp2={"status": "SKIP"}), 0, "gloo")[0].status == "FAIL"
-    partial = lib.judge_layout_rows(_rows()[:1], 0, "gloo")
+    assert multi.judge_layout_rows(_rows(), 0, "nccl")[0].status == "FAIL"  # asked NCCL, ran gloo
+    assert multi.judge_layout_rows(_rows(tp2={"status": "SKIP"}), 0, "gloo")[0].status == "FAIL"
+    partial = multi.judge_layout_rows(_rows()[:1], 0, "gloo")
     assert [ln.status for ln in partial].count("FAIL") == 3
 
 
 def test_two_gpus_use_nccl_one_gpu_gloo():
-    assert lib.two_rank_backend(2) == "nccl" and lib.two_rank_backend(8) == "nccl"
-    assert lib.two_rank_backend(1) == "gloo"
+    assert multi.two_rank_backend(2) == "nccl" and multi.two_rank_backend(8) == "nccl"
+    assert multi.two_rank_backend(1) == "gloo"
 
 
 ENV = {"torch": "2.9.0", "cuda": "12.8", "cuda_ok": True, "gpu": "H200", "gpu_gib": 139.8, "gpus": 1,
@@ -154,13 +155,13 @@ SYNC = {"backend": "gloo", "devices": ["cuda:0", "cuda:0"], "tensors": 4, "sent_
 
 
 def test_sync_verdict_states_the_transport_and_whether_nccl_ran():
-    one_gpu = lib.judge_sync(SYNC, backend="gloo", gpu=True)
+    one_gpu = multi.judge_sync(SYNC, backend="gloo", gpu=True)
     assert one_gpu.status == "PASS" and "NCCL NOT exercised (one GPU" in one_gpu.detail
-    two = lib.judge_sync(SYNC | {"backend": "nccl", "devices": ["cuda:0", "cuda:1"]}, backend="nccl", gpu=True)
+    two = multi.judge_sync(SYNC | {"backend": "nccl", "devices": ["cuda:0", "cuda:1"]}, backend="nccl", gpu=True)
     assert two.status == "PASS" and "NCCL exercised" in two.detail
-    assert lib.judge_sync(SYNC, backend="nccl", gpu=True).status == "FAIL"  # two GPUs must use NCCL
-    assert lib.judge_sync(SYNC | {"equal": 3}, backend="gloo", gpu=True).status == "FAIL"
-    assert lib.judge_sync(SYNC | {"devices": ["cpu", "cpu"]}, backend="gloo", gpu=True).status == "FAIL"
+    assert multi.judge_sync(SYNC, backend="nccl", gpu=True).status == "FAIL"  # two GPUs must use NCCL
+    assert multi.judge_sync(SYNC | {"equal": 3}, backend="gloo", gpu=True).status == "FAIL"
+    assert multi.judge_sync(SYNC | {"devices": ["cpu", "cpu"]}, backend="gloo", gpu=True).status == "FAIL"
 
 
 def test_sao_run_names_the_engine_dtype_for_a_bf16_trainer():
@@ -181,7 +182,7 @@ def test_weight_sync_transport_compares_bf16_sent_in_the_engines_float32(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["equal"] == res["tensors"] == 4 and res["as_sent_differ"] == 4
-    assert lib.judge_sync(res, backend="gloo", gpu=False).status == "PASS"
+    assert multi.judge_sync(res, backend="gloo", gpu=False).status == "PASS"
 
 
 def test_dsa_topk_fp8_emulation_is_close_to_megatrons_scores_and_agreement_is_exact_on_itself():

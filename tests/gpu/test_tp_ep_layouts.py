@@ -13,7 +13,7 @@ import torch
 from megatron_launch import run
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
-import gpu_check_lib as lib  # noqa: E402
+import gpu_check_multi as multi  # noqa: E402
 
 SCRIPT = pathlib.Path(__file__).resolve().parent / "mp_scripts" / "tp_ep_layouts.py"
 
@@ -23,13 +23,13 @@ def _rows(tmp: pathlib.Path, backend: str) -> tuple[list[dict], list]:
     proc = run(str(SCRIPT), str(tmp / "results.json"), str(tmp), "--backend", backend, nproc=2, timeout=400,
                check=False)
     rows = json.loads((tmp / "results.json").read_text()) if (tmp / "results.json").is_file() else []
-    return rows, lib.judge_layout_rows(rows, proc.returncode, backend)
+    return rows, multi.judge_layout_rows(rows, proc.returncode, backend)
 
 
 @pytest.mark.gpu
 @pytest.mark.component
 def test_tp2_and_tp2_ep2_match_tp1_on_cuda(tmp_path):
-    backend = lib.two_rank_backend(torch.cuda.device_count())
+    backend = multi.two_rank_backend(torch.cuda.device_count())
     rows, lines = _rows(tmp_path, backend)
     print(f"\nGPU_CHECK_NUMBERS test_tp2_and_tp2_ep2_match_tp1_on_cuda: " + "; ".join(
         f"{ln.name} {ln.status}" for ln in lines))

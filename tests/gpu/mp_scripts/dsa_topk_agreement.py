@@ -65,7 +65,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
     g = torch.Generator().manual_seed(0)
-    wq, wk = torch.randn(HIDDEN, HEADS * DIM, generator=g) / HIDDEN ** 0.5, torch.randn(HIDDEN, DIM, generator=g) / HIDDEN ** 0.5
+    wq = torch.randn(HIDDEN, HEADS * DIM, generator=g) / HIDDEN ** 0.5
+    wk = torch.randn(HIDDEN, DIM, generator=g) / HIDDEN ** 0.5
     ww = torch.randn(HIDDEN, HEADS, generator=g) / HIDDEN ** 0.5
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
