@@ -5,9 +5,13 @@
 Run through gpu_check.sh (it picks the interpreter and installs what is missing). Each check runs
 in its own subprocess (Megatron's global state, the CPU shims and CUDA contexts never leak from one
 check into the next) under ``min(its timeout, what is left of the budget)``; a check cut by its
-timeout is a FAIL that says so. ``--mode cpu`` runs what needs no GPU on the CPU and prints SKIP,
-with the reason, for what does. Lines: ``PASS|FAIL|SKIP <check> <numbers>``. The summary (JSON and
-the printed lines) goes to ``--out``, else ``$OUT`` when set, else ``runs/gpu_check``.
+timeout is a FAIL that says so. The per-check timeouts of a mode add up to at most its default
+budget (GPU: 8 minutes on one GPU). ``--mode cpu`` runs what needs no GPU on the CPU and prints
+N/A ("not applicable on CPU"), with the reason, for what does: that is not a SKIP. A SKIP (a
+gpu-marked test that skipped) is a FAIL unless ``--allow-skip`` names its check or line; allowed
+SKIPs are counted and named in the summary. Lines: ``PASS|FAIL|SKIP|N/A|INFO <check> <numbers>``;
+exit 1 when any line is a FAIL. The summary (JSON and the printed lines) goes to ``--out``, else
+``$OUT`` when set, else ``runs/gpu_check``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 import gpu_check_lib as lib  # noqa: E402  (after the path insert: a sibling module)
+import gpu_check_multi as multi  # noqa: E402
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -42,24 +47,32 @@ class Check:
 
 
 CHECKS = [
-    Check(name="env", run=lib.check_env, timeout_s={"gpu": 60, "cpu": 300}),
-    Check(name="gpu-tests", run=lib.check_gpu_tests, timeout_s={"gpu": 150, "cpu": 600}),
-    Check(name="sao-run", run=lib.check_sao_run, timeout_s={"gpu": 150, "cpu": 1200}),
-    Check(name="parity", run=lib.check_parity, timeout_s={"gpu": 90, "cpu": 900}),
-    Check(name="gloo-tp2-ep2", run=lib.check_gloo_layouts, timeout_s={"gpu": 90, "cpu": 60}),
-    Check(name="memory-vs-plan", run=lib.check_memory, timeout_s={"gpu": 90, "cpu": 300}),
-    Check(name="bench-gae", run=lib.check_bench_gae, timeout_s={"gpu": 45, "cpu": 300}),
-    Check(name="bench-logprobs", run=lib.check_bench_logprobs, timeout_s={"gpu": 60, "cpu": 300}),
+    Check(name="env", run=lib.check_env, timeout_s={"gpu": 30, "cpu": 120}),
+    Check(name="gpu-tests", run=lib.check_gpu_tests, timeout_s={"gpu": 120, "cpu": 5}),
+    Check(name="sao-run", run=lib.check_sao_run, timeout_s={"gpu": 100, "cpu": 1500}),
+    Check(name="parity", run=lib.check_parity, timeout_s={"gpu": 45, "cpu": 900}),
+    Check(name="weight-sync", run=multi.check_weight_sync, timeout_s={"gpu": 30, "cpu": 120}),
+    Check(name="tp2-ep2", run=multi.check_tp_ep_layouts, timeout_s={"gpu": 60, "cpu": 5}),
+    Check(name="dsa-topk", run=multi.check_dsa_topk, timeout_s={"gpu": 30, "cpu": 5}),
+    Check(name="memory-vs-plan", run=lib.check_memory, timeout_s={"gpu": 40, "cpu": 300}),
+    Check(name="bench-gae", run=lib.check_bench_gae, timeout_s={"gpu": 10, "cpu": 300}),
+    Check(name="bench-logprobs", run=lib.check_bench_logprobs, timeout_s={"gpu": 14, "cpu": 300}),
     Check(name="one-gpu-limits", run=lib.check_limits, timeout_s={"gpu": 1, "cpu": 1}),
 ]
+BUDGET_S = {"gpu": 480.0, "cpu": 3600.0}
+"""Default budgets: 8 minutes on one GPU; the per-check timeouts add up to no more (a test sums them)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["gpu", "cpu"], default="gpu")
-    parser.add_argument("--budget-s", type=float, default=None, help="all checks together (gpu 290, cpu 3600)")
+    parser.add_argument("--budget-s", type=float, default=None, help="all checks together (gpu 480, cpu 3600)")
     parser.add_argument("--only", default=None, help="comma-separated check names")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--allow-skip", action="append", default=[], metavar="NAME",
+                        help="a check (or line) whose SKIPs are accepted; repeat or comma-separate")
+    parser.add_argument("--te", choices=["require", "off"], default="require",
+                        help="GPU mode: Transformer Engine required (default) or explicitly not checked")
     parser.add_argument("--list", action="store_true", help="print the check names and exit")
     args = parser.parse_args(argv)
     if args.list:
@@ -70,28 +83,53 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(only) - set(names))
     if unknown:
         raise SystemExit(f"gpu_check: unknown check(s) {unknown}; choose from {names}")
+    allow = {n.strip() for a in args.allow_skip for n in a.split(",") if n.strip()}
     out = pathlib.Path(args.out or os.environ.get("OUT") or REPO / "runs" / "gpu_check")
-    budget = args.budget_s or (290.0 if args.mode == "gpu" else 3600.0)
-    ctx = lib.Context(mode=args.mode, out=out, deadline=time.monotonic() + budget)
+    budget = args.budget_s or BUDGET_S[args.mode]
+    ctx = lib.Context(mode=args.mode, out=out, deadline=time.monotonic() + budget, require_te=args.te == "require")
     out.mkdir(parents=True, exist_ok=True)
     print(f"gpu_check ({args.mode} mode): {len(only)} checks, budget {budget:.0f} s, logs in {out}/logs", flush=True)
     lines: list[lib.Line] = []
     t_start = time.monotonic()
     for check in CHECKS:
         if check.name in only:
-            lines += run_check(check, ctx)
-    failed = [ln for ln in lines if ln.status == "FAIL"]
-    summary = {"mode": args.mode, "seconds": round(time.monotonic() - t_start, 1), "budget_s": budget,
-               "failed": len(failed), "lines": [dataclasses.asdict(ln) for ln in lines]}
+            lines += run_check(check, ctx, allow)
+    summary = summarise(lines, mode=args.mode, seconds=time.monotonic() - t_start, budget=budget, allow=allow,
+                        require_te=ctx.require_te)
     (out / "gpu_check_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    (out / "gpu_check_summary.txt").write_text("".join(ln.text() + "\n" for ln in lines))
-    print(f"gpu_check: {sum(ln.status == 'PASS' for ln in lines)} PASS, {len(failed)} FAIL, "
-          f"{sum(ln.status == 'SKIP' for ln in lines)} SKIP in {summary['seconds']:.0f} s; "
-          f"summary {out / 'gpu_check_summary.json'}", flush=True)
-    return 1 if failed else 0
+    (out / "gpu_check_summary.txt").write_text("".join(ln.text() + "\n" for ln in lines) + summary["text"] + "\n")
+    print(summary["text"] + f"; summary {out / 'gpu_check_summary.json'}", flush=True)
+    return 1 if summary["failed"] else 0
 
 
-def run_check(check: Check, ctx: lib.Context) -> list[lib.Line]:
+def apply_skip_policy(lines: list[lib.Line], check: str, allow: set[str]) -> list[lib.Line]:
+    """A SKIP stays a SKIP only when --allow-skip names its check or its line; otherwise it is a FAIL."""
+    out = []
+    for ln in lines:
+        if ln.status == "SKIP" and check not in allow and ln.name not in allow:
+            ln = lib.Line("FAIL", ln.name, f"skipped, and a SKIP is a failure unless allowed "
+                          f"(--allow-skip {check}): {ln.detail}", ln.seconds)
+        out.append(ln)
+    return out
+
+
+def summarise(lines: list[lib.Line], *, mode: str, seconds: float, budget: float, allow: set[str],
+              require_te: bool) -> dict:
+    count = {s: sum(ln.status == s for ln in lines) for s in ("PASS", "FAIL", "SKIP", lib.NA, "INFO")}
+    skipped = [ln.name for ln in lines if ln.status == "SKIP"]
+    sync = next((ln.detail for ln in lines if ln.name == "weight-sync"), "")
+    notes = [f"{count['SKIP']} SKIP allowed ({', '.join(skipped)})" if skipped else "0 SKIP"]
+    if "NCCL NOT exercised" in sync:
+        notes.append("NCCL NOT exercised")
+    if mode == "gpu" and not require_te:
+        notes.append("Transformer Engine NOT checked (--no-te)")
+    text = (f"gpu_check: {count['PASS']} PASS, {count['FAIL']} FAIL, " + ", ".join(notes)
+            + f", {count[lib.NA]} not applicable on {mode.upper()} in {seconds:.0f} s (budget {budget:.0f} s)")
+    return {"mode": mode, "seconds": round(seconds, 1), "budget_s": budget, "failed": count["FAIL"],
+            "counts": count, "allowed_skips": skipped, "text": text, "lines": [dataclasses.asdict(ln) for ln in lines]}
+
+
+def run_check(check: Check, ctx: lib.Context, allow: set[str] = frozenset()) -> list[lib.Line]:
     """The check's lines, printed as they come; an exception or a timeout becomes one FAIL line."""
     ctx.timeout_s = check.timeout_s[ctx.mode]
     t0 = time.monotonic()
@@ -104,6 +142,7 @@ def run_check(check: Check, ctx: lib.Context) -> list[lib.Line]:
             lines = [lib.Line("FAIL", check.name, str(exc))]
         except Exception as exc:  # a broken check must not hide the others
             lines = [lib.Line("FAIL", check.name, f"{type(exc).__name__}: {exc}")]
+    lines = apply_skip_policy(lines, check.name, allow)
     for ln in lines:
         ln.seconds = ln.seconds if ln.seconds is not None else round(time.monotonic() - t0, 1)
         print(ln.text(), flush=True)

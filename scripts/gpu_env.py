@@ -23,8 +23,10 @@ import sys
 REQUIREMENTS = pathlib.Path(__file__).resolve().parent / "gpu_requirements.txt"
 
 
-def parse_requirements(text: str) -> list[tuple[str, str, bool]]:
-    """``[(name, version, keep)]`` from ``name==version  # keep`` lines; comments and blanks skipped."""
+def parse_requirements(text: str, *, drop_tags: set[str] = frozenset({"optional"})) -> list[tuple[str, str, bool]]:
+    """``[(name, version, keep)]`` from ``name==version  # keep [tags]`` lines; comments and blanks
+    skipped, and lines tagged with any of ``drop_tags`` ('optional' always: the check never needs
+    them; 'te' with --no-te)."""
     out = []
     for line in text.splitlines():
         spec, _, comment = line.partition("#")
@@ -34,7 +36,10 @@ def parse_requirements(text: str) -> list[tuple[str, str, bool]]:
         match = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^\s;]+)", spec)
         if match is None:
             raise ValueError(f"gpu requirements line {line!r}: expected 'name==version [# keep]'")
-        out.append((match.group(1), match.group(2), comment.strip() == "keep"))
+        tags = set(comment.split())
+        if tags & drop_tags:
+            continue
+        out.append((match.group(1), match.group(2), "keep" in tags))
     return out
 
 
@@ -61,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", required=True, help="install directory (put first on PYTHONPATH)")
     parser.add_argument("--wheels", default=None, help="folder made by scripts/gpu_wheels.sh")
     parser.add_argument("--requirements", default=str(REQUIREMENTS))
+    parser.add_argument("--no-te", action="store_true", help="Transformer Engine not required (gpu_check --no-te)")
     args = parser.parse_args(argv)
-    reqs = parse_requirements(pathlib.Path(args.requirements).read_text())
+    drop = {"optional", "te"} if args.no_te else {"optional"}
+    reqs = parse_requirements(pathlib.Path(args.requirements).read_text(), drop_tags=drop)
     path = [args.target, *sys.path]
     todo = missing(reqs, path)
     if todo and args.wheels is None:

@@ -130,6 +130,11 @@ class ModelConfig:
     """Hadamard rotation of indexer q and k (leaves their dot products unchanged)."""
     dsa_indexer_k_norm_epsilon: float | None = None
     """Epsilon of the indexer's key LayerNorm (HF: 1e-6); None = layernorm_epsilon."""
+    dsa_kernel_backend: Literal["none", "tilelang", "cudnn"] = "none"
+    """megatron's DSA kernels: none = unfused PyTorch, fp32 [s, b, heads, s] scores (CPU, short sequences);
+    tilelang = fused indexer + sparse MLA (CUDA + tilelang; GLM-5 full length); cudnn (+ flash_mla)."""
+    dsa_indexer_loss_coeff: float = 0.0
+    """Indexer KL loss against the main attention (DeepSeek-V3.2, sparse); 0 = off and the indexer frozen."""
     mtp_num_layers: int | None = None
     """Multi-token-prediction layers in the HF checkpoint (kept aside, frozen: not in the Megatron model)."""
 

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 from sao_megatron.config.schema import ExperimentConfig, ModelConfig, ParallelConfig, ResourcesConfig
 from sao_megatron.config.validate import check_model, check_parallel
+from sao_megatron.launch.dsa_fit import dsa_fit_errors
 from sao_megatron.models import mla_sizes
 from sao_megatron.models.arch import PARAM_GROUPS as GROUPS
 from sao_megatron.models.arch import VOCAB_DIVISIBLE_BY, moe_layer_mask, padded_vocab_size
@@ -225,7 +226,7 @@ class RoleMemory:
 
 
 def _stage_memory(m: ModelConfig, lay: Layout, stage: int, *, role: str, trainable: set[str], tokens: int,
-                  recompute: str) -> RoleMemory:
+                  recompute: str, seq: int | None = None) -> RoleMemory:
     params = stage_params(m, lay, stage, critic=role == "critic")
     train = {g: n for g, n in params.items() if "all" in trainable or g in trainable}
     dense_train = sum(n for g, n in train.items() if g != "routed_experts")
@@ -234,7 +235,8 @@ def _stage_memory(m: ModelConfig, lay: Layout, stage: int, *, role: str, trainab
     opt_bytes = 8 + (4 if wbytes == 2 else 0)
     dp, edp = (lay.dp, lay.expert_dp) if lay.distributed_optimizer else (1, 1)
     optimizer = opt_bytes * (dense_train / dp + expert_train / edp)
-    acts = _stage_activations(m, lay, stage, tokens, recompute)
+    acts = _stage_activations(m, lay, stage, tokens, recompute) + _stage_dsa_bytes(m, lay, stage, tokens, recompute,
+                                                                                   seq or tokens)
     if role == "actor" and stage == lay.pp - 1:
         acts += tokens * padded_vocab_size(m.vocab_size, lay.tp) / lay.tp * LOGITS_BYTES
     total, ntrain = sum(params.values()), sum(train.values())
@@ -253,6 +255,19 @@ def _stage_activations(m: ModelConfig, lay: Layout, stage: int, tokens: int, rec
         split = lay.tp if lay.sequence_parallel or lay.tp == 1 else 1
         return in_flight * len(mask) * 2 * m.hidden_size * tokens / split + max(per_layer, default=0)
     return in_flight * sum(per_layer)
+
+
+def _stage_dsa_bytes(m: ModelConfig, lay: Layout, stage: int, tokens: int, recompute: str, seq: int) -> float:
+    """DSA attention memory that is not linear in tokens (``mla_sizes.dsa_attention_bytes``): the
+    micro-batch as sequences of the longest length, saved tensors per layer and micro-batch in
+    flight (none with recompute: core attention is recomputed), plus one layer's transient peak."""
+    layers = mla_sizes.dsa_layers(m, stage_layers(m, lay, stage))
+    if not layers:
+        return 0.0
+    seq = min(seq, tokens)
+    saved, transient = mla_sizes.dsa_attention_bytes(m, tp=lay.tp, seq=seq, batch=max(tokens // seq, 1))
+    kept = 0.0 if recompute in ("full", "selective") else saved * layers * (lay.pp - stage)
+    return kept + transient
 
 
 def iter_layouts(m: ModelConfig, nodes: int, gpus_per_node: int, *, max_pp: int = 16) -> Iterator[Layout]:
@@ -449,13 +464,14 @@ def trainer_peak_gib(cfg: ExperimentConfig, lay: Layout) -> tuple[float, RoleMem
     best, peak_actor, peak_critic = -1.0, None, None
     for s in range(lay.pp):
         a = _stage_memory(cfg.model, lay, s, role="actor", trainable=actor_trainable,
-                          tokens=cfg.actor.max_tokens_per_microbatch, recompute=cfg.actor.recompute_granularity)
+                          tokens=cfg.actor.max_tokens_per_microbatch, recompute=cfg.actor.recompute_granularity,
+                          seq=cfg.data.max_total_tokens)
         c = None
         peak = a.total_gib
         if cfg.critic.enabled:
             c = _stage_memory(cfg.model, lay, s, role="critic", trainable=critic_trainable,
                               tokens=cfg.critic.max_tokens_per_microbatch,
-                              recompute=cfg.critic.recompute_granularity)
+                              recompute=cfg.critic.recompute_granularity, seq=cfg.data.max_total_tokens)
             peak = max(a.total_gib + _resident(c, cfg), c.total_gib + _resident(a, cfg))
         if peak > best:
             best, peak_actor, peak_critic = peak, a, c
@@ -481,6 +497,7 @@ def make_plan(cfg: ExperimentConfig, *, suggest: bool = True, max_nodes: int = 6
                 weight_sync=weight_sync_seconds(2 * hf_params.total, nccl_gbps=nccl_gbps, disk_gbps=disk_gbps))
     if lay.dp >= 1 and lay.expert_dp >= 1:
         plan.trainer_peak_gib, plan.actor, plan.critic = trainer_peak_gib(cfg, lay)
+        plan.errors += dsa_fit_errors(cfg, lay, plan.trainer_peak_gib, plan.budget_gib, peak=trainer_peak_gib)
     if not rollout_errors:
         plan.rollout = rollout_memory(cfg, r)
     if suggest:

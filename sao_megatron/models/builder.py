@@ -126,15 +126,24 @@ def latent_attention_fields(model: ModelConfig, *, use_te: bool) -> dict:
     """MLATransformerConfig fields of an MLA (and DSA) model (DeepSeek-V3, GLM-5).
 
     The local backend is named explicitly: megatron resolves MLA's q/kv norms through it.
-    The DSA indexer keeps its own KL loss off (``dsa_indexer_loss_coeff=None``): in RL the indexer
-    is frozen with the rest of attention, so trainer and engine select the same keys
-    (docs/mla-dsa.md).
+    DSA: ``dsa_kernel_backend`` picks megatron's kernels (docs/mla-dsa.md: ``none`` materialises
+    quadratic fp32 scores, ``tilelang`` is fused and sparse; megatron refuses it without CUDA and
+    tilelang). The indexer's KL loss against the main attention is megatron's own
+    (``dsa_indexer_loss_coeff``, sparse: over the selected keys, as DeepSeek-V3.2 trains it); off
+    by default, and then the indexer is frozen so trainer and engines select the same keys.
     """
     fields = {name: getattr(model, name) for name in _MLA_FIELDS}
     fields["transformer_impl"] = "transformer_engine" if use_te else "local"
     if model.experimental_attention_variant == "dsa":
+        coeff = model.dsa_indexer_loss_coeff
+        if coeff < 0:
+            raise ValueError(f"model.dsa_indexer_loss_coeff={coeff} must be >= 0 (0 = no indexer loss)")
         fields |= {name: getattr(model, name) for name in _DSA_FIELDS}
-        fields["dsa_indexer_loss_coeff"] = None
+        fields |= dict(dsa_kernel_backend=model.dsa_kernel_backend, dsa_indexer_loss_coeff=coeff or None,
+                       dsa_indexer_use_sparse_loss=coeff > 0)
+    elif model.dsa_indexer_loss_coeff or model.dsa_kernel_backend != "none":
+        raise ValueError("model.dsa_indexer_loss_coeff / dsa_kernel_backend apply to DSA models only "
+                         "(experimental_attention_variant: dsa): leave them at 0 / none")
     return fields
 
 
@@ -181,11 +190,14 @@ def build_model_chunks(model: ModelConfig, ctx: ParallelContext, *, value_head: 
     use_te = transformer_engine_usable(ctx.device) if use_te is None else use_te
     config = build_transformer_config(model, ctx.parallel, use_te=use_te, recompute=recompute,
                                       on_cpu=ctx.device.type == "cpu")
+    if value_head and getattr(config, "dsa_indexer_loss_coeff", None):
+        config.dsa_indexer_loss_coeff = None  # the critic's attention (indexer included) is frozen: no KL loss
     stages = [None] if ctx.vpp_size is None or ctx.pp_size == 1 else list(range(ctx.vpp_size))
     chunks = [build_gpt_model(model, ctx, vp_stage=s, value_head=value_head, config=config, use_te=use_te)
               for s in stages]
     check_on_device(chunks, ctx.device)
-    freeze_dsa_indexer(chunks)
+    if value_head or not model.dsa_indexer_loss_coeff:  # trained only by its KL loss, in the actor
+        freeze_dsa_indexer(chunks)
     return chunks
 
 
@@ -208,9 +220,10 @@ def check_on_device(chunks: list[torch.nn.Module], device: torch.device) -> None
 def freeze_dsa_indexer(chunks: list[torch.nn.Module]) -> int:
     """requires_grad=False on every DSA indexer parameter; returns how many.
 
-    The top-k is not differentiable and the indexer's own KL loss is off in RL, so the policy
-    and value losses give the indexer no gradient; left trainable, weight decay alone would move
-    it. Frozen, trainer and engines select the same keys for the same tokens (docs/mla-dsa.md).
+    The top-k is not differentiable, so without its own KL loss (``model.dsa_indexer_loss_coeff``
+    0, the default; always for the critic) the policy and value losses give the indexer no
+    gradient; left trainable, weight decay alone would move it. Frozen, trainer and engines select
+    the same keys for the same tokens (docs/mla-dsa.md).
     """
     frozen = 0
     for chunk in chunks:

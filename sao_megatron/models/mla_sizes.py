@@ -53,3 +53,39 @@ def attention_activation_bytes(m: ModelConfig, tp: int) -> float:
     latents = 2 * (2 * ql + 2 * (kvl + rope) + kvl)
     heads = 2 * nh * (2 * (m.qk_head_dim + rope) + m.v_head_dim + m.v_head_dim) // tp + 4 * nh // tp
     return 2 * h + latents + heads
+
+
+FUSED_DSA_BACKENDS = ("tilelang", "cudnn")
+"""megatron-core 0.19.2's fused DSA kernels (``dsa_kernel_backend``); ``none`` is the unfused path."""
+
+
+def dsa_attention_bytes(m: ModelConfig, *, tp: int, seq: int, batch: int) -> tuple[float, float]:
+    """(bytes saved for backward by one DSA layer, transient peak of one DSA layer) on one rank.
+
+    ``none`` (megatron's unfused path, ``dsa._compute_index_scores`` + ``_unfused_absorbed_dsa_fn``):
+    the indexer scores every key, an fp32 ``[s, b, index_heads, s]`` tensor (the indexer is
+    replicated over TP), alive twice while ReLU and the head weights make their copies; then
+    attention builds fp32 ``[b, heads / tp, s, s]`` scores plus an fp32 ``[b, s, s]`` top-k mask,
+    the softmax output beside the scores and its bf16 copy for the value matmul, which (with the
+    fp32 softmax output) autograd keeps unless core attention is recomputed. The peak is the larger
+    of the two phases (the indexer's tensors are freed before attention starts).
+    Fused (``tilelang``/``cudnn``): blockwise kernels, nothing quadratic; what remains is linear in
+    ``s * topk``: int32 top-k indices and the kernels' fp32 per-query row statistics.
+    """
+    if m.experimental_attention_variant != "dsa":
+        return 0.0, 0.0
+    heads = m.num_attention_heads / tp
+    topk = min(m.dsa_indexer_topk or seq, seq)
+    if m.dsa_kernel_backend in FUSED_DSA_BACKENDS:
+        linear = 4.0 * batch * seq * topk
+        return linear, 2 * linear
+    square = float(batch) * seq * seq
+    indexer_peak = 2 * 4 * square * (m.dsa_indexer_n_heads or 0)
+    attention_peak = (2 * 4 + 2) * square * heads + 4 * square
+    saved = (4 + 2) * square * heads
+    return saved, max(indexer_peak, attention_peak)
+
+
+def dsa_layers(m: ModelConfig, layers: list[int]) -> int:
+    """How many of ``layers`` are DSA attention layers (every layer of a DSA model)."""
+    return len(layers) if m.experimental_attention_variant == "dsa" else 0

@@ -122,7 +122,9 @@ class LocalLinear(torch.nn.Linear):
 
     def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, init_method=None,
                  bias: bool = False, **_unused):
-        super().__init__(input_size, output_size, bias=bias, dtype=config.params_dtype)
+        # On the init device like every megatron layer: created on the CPU, a GPU run without TE
+        # (this spec) would fail at the first forward (the optimizer never moves it).
+        super().__init__(input_size, output_size, bias=bias, dtype=config.params_dtype, device=init_device(config))
         if init_method is not None:
             with torch.no_grad():
                 init_method(self.weight)

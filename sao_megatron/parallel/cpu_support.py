@@ -27,6 +27,8 @@ SUPPORTED_MEGATRON_VERSIONS = ("0.19.2",)
 """megatron-core versions whose CUDA-only spots were audited for the shims below."""
 
 _MARK = "_sao_cpu_shim"
+_SKIPPED: set[str] = set()
+"""Shims ``apply_cpu_shims(skip=...)`` left out (the necessity tests): ``apply_optimizer_shims`` honours it."""
 
 
 class MegatronVersionError(RuntimeError):
@@ -68,6 +70,7 @@ def apply_cpu_shims(*, skip: Collection[str] = (), force: bool = False) -> None:
     if (torch.cuda.is_available() and not force) or shims_applied():
         return
     check_megatron_version()
+    _SKIPPED.update(skip)
     for name, shim in SHIMS.items():
         if name not in skip:
             shim()
@@ -295,21 +298,41 @@ def _shim_uneven_allgather() -> None:
 
 # --------------------------------------------------------------------------- optimizer checkpoint
 def _shim_dist_optimizer_step_state() -> None:
-    """Loading distributed-optimizer state with torch's Adam (no apex/TE, i.e. every CPU machine).
+    """Loading distributed-optimizer state with torch's Adam (no apex/TE: every CPU machine, and
+    CUDA nodes without either; ``apply_optimizer_shims`` applies it there too).
 
     Without it: torch Adam keeps a ``step`` tensor per parameter; DistributedOptimizer.load_state_dict
     restores it separately, then ``_set_main_param_and_optimizer_states`` copies every state
     tensor from the checkpoint and fails with KeyError 'step' (the checkpoint entries skip it).
     Marking ``step`` as absent (None) makes it skip that key, as it does for non-tensors.
+    Idempotent: both the CPU shims and ``apply_optimizer_shims`` may reach it in one process.
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     orig = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(orig, _MARK, False):
+        return
 
     def set_states(self, model_param, tensors):
         return orig(self, model_param, {"step": None, **tensors})
 
+    setattr(set_states, _MARK, True)
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def apply_optimizer_shims() -> bool:
+    """The torch-AdamW ``step`` shim wherever megatron falls back to torch's Adam (neither TE's nor
+    apex's fused Adam importable), on CPU or CUDA alike; True when it is in place.
+
+    Separate from ``apply_cpu_shims`` because the missing fused Adam is a property of the image,
+    not of the device: a CUDA node without TE/apex resumed into KeyError 'step' before.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE or "dist_optimizer_step_state" in _SKIPPED:
+        return False
+    _shim_dist_optimizer_step_state()
+    return True
 
 
 # --------------------------------------------------------------------------- DSA indexer

@@ -78,6 +78,9 @@ def setup_optimizer(model_chunks: Sequence[torch.nn.Module], opt: OptimizerConfi
 
     Returns (ddp_chunks, optimizer, scheduler). Train with the ddp_chunks from here on.
     """
+    from sao_megatron.parallel.cpu_support import apply_optimizer_shims
+
+    apply_optimizer_shims()  # torch AdamW without TE/apex, on CUDA too: resume needs its `step` shim
     config = get_model_config(model_chunks[0])
     ddp_chunks = wrap_ddp(model_chunks, ctx)
     optimizer = get_megatron_optimizer(

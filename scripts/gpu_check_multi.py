@@ -1,0 +1,118 @@
+"""The checks of scripts/gpu_check.py that start two ranks or measure the DSA indexer (see there).
+
+tp2-ep2 (TP2 and TP2xEP2 against TP1), weight-sync (the trainer -> engine transport with checksums
+in the engine's dtype) and dsa-topk (FP8 vs Megatron index scoring). The work lives in
+tests/gpu/mp_scripts/; this module chooses the backend, runs them time-bounded and judges what they
+report. Standard library only (it runs in the orchestrating process).
+"""
+
+from __future__ import annotations
+
+import json
+
+from gpu_check_lib import EMBEDDED_ENGINE_DTYPE, Context, Line, not_applicable, python, tail
+
+# ---------------------------------------------------------------- two ranks: TP2 and EP2
+
+LAYOUT_SIZES = {"tp2": {"tp": 2, "ep": 1, "dp": 1}, "tp2_ep2": {"tp": 2, "ep": 2, "dp": 1}}
+"""What each layout of tests/gpu/mp_scripts/tp_ep_layouts.py must report having run with."""
+
+
+def two_rank_backend(gpus: int) -> str:
+    """NCCL with a GPU per rank; gloo with CUDA tensors when both ranks share the one GPU (NCCL
+    cannot put two ranks on one device)."""
+    return "nccl" if gpus >= 2 else "gloo"
+
+
+def torchrun(nproc: int, script: str, *args: str) -> list[str]:
+    return [*python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+
+
+def judge_layout_rows(rows: list[dict], rc: int, backend: str) -> list[Line]:
+    """One line per part; FAIL for a non-zero exit, a missing part, or sizes/backend other than asked."""
+    lines, seen = [], set()
+    for r in rows:
+        base = r["layout"].removesuffix(" critic")
+        want = dict(LAYOUT_SIZES.get(base, {}), backend=backend)
+        got = {k: r.get(k) for k in want}
+        status = r["status"] if r["status"] in ("PASS", "FAIL") else "FAIL"
+        detail = r.get("detail", "")
+        if got != want:
+            status, detail = "FAIL", f"ran with {got}, expected {want}; " + detail
+        seen.add(r["layout"])
+        lines.append(Line(status, f"tp2-ep2 {r['layout']}", detail))
+    for part in [*LAYOUT_SIZES, *(f"{n} critic" for n in LAYOUT_SIZES)]:
+        if part not in seen:
+            lines.append(Line("FAIL", f"tp2-ep2 {part}", f"did not run (rc={rc})"))
+    if rc and all(ln.status == "PASS" for ln in lines):
+        lines.append(Line("FAIL", "tp2-ep2", f"the ranks exited with rc={rc}"))
+    return lines
+
+
+def check_tp_ep_layouts(ctx: Context) -> list[Line]:
+    if not ctx.gpu:
+        return not_applicable("tp2-ep2", "TP2 and TP2xEP2 on CUDA (the same layouts run on the CPU in "
+                              "tests/component/test_megatron_parallel.py and tests/gpu/test_tp_ep_layouts.py)")
+    workdir = ctx.workdir("tp2-ep2")
+    script = "tests/gpu/mp_scripts/tp_ep_layouts.py"
+    ref = ctx.run("tp2-ep2-ref", torchrun(1, script, str(workdir / "ref_rows.json"), str(workdir), "--ref-only"))
+    if ref.returncode or not (workdir / "ref.json").is_file():
+        return [Line("FAIL", "tp2-ep2", f"TP1 reference failed rc={ref.returncode}: {tail(ref.stdout)}")]
+    backend = two_rank_backend(int(ctx.info.get("gpus") or 1))
+    out = workdir / "results.json"
+    proc = ctx.run("tp2-ep2", torchrun(2, script, str(out), str(workdir), "--backend", backend),
+                   env={"OMP_NUM_THREADS": "2"})
+    rows = json.loads(out.read_text()) if out.is_file() else []
+    return judge_layout_rows(rows, proc.returncode, backend)
+
+
+# ---------------------------------------------------------------- weight-sync transport
+
+def judge_sync(res: dict, *, backend: str, gpu: bool) -> Line:
+    """PASS when every tensor's checksum agrees in the engine's dtype over the asked backend."""
+    devices = " -> ".join(res["devices"])
+    ok = (res["backend"] == backend and res["equal"] == res["tensors"]
+          and all(d.startswith("cuda") for d in res["devices"]) == gpu)
+    nccl = "NCCL exercised" if res["backend"] == "nccl" else "NCCL NOT exercised (" + (
+        "one GPU: two ranks cannot share a device under NCCL" if gpu else "no GPU") + ")"
+    return Line("PASS" if ok else "FAIL", "weight-sync",
+                f"transport {res['backend']} (asked {backend}), {devices}: {res['tensors']} {res['sent_dtype']} "
+                f"tensors, engine holds {res['engine_dtype']}: {res['equal']}/{res['tensors']} checksums equal "
+                f"in {res['engine_dtype']} (as-sent {res['sent_dtype']} hashes differ for {res['as_sent_differ']}); "
+                + nccl)
+
+
+def check_weight_sync(ctx: Context) -> list[Line]:
+    gpus = int(ctx.info.get("gpus") or 0) if ctx.gpu else 0
+    backend = two_rank_backend(gpus) if ctx.gpu else "gloo"
+    out = ctx.workdir("weight-sync") / "result.json"
+    proc = ctx.run("weight-sync", torchrun(2, "tests/gpu/mp_scripts/weight_sync_transport.py", str(out),
+                                           "--backend", backend, "--engine-dtype", EMBEDDED_ENGINE_DTYPE,
+                                           "--sent-dtype", "bfloat16"))
+    if proc.returncode or not out.is_file():
+        return [Line("FAIL", "weight-sync", f"rc={proc.returncode}: {tail(proc.stdout)}")]
+    return [judge_sync(json.loads(out.read_text()), backend=backend, gpu=ctx.gpu)]
+
+
+# ---------------------------------------------------------------- DSA top-k: engine FP8 vs Megatron
+
+TOPK_AGREEMENT_FLOOR = 0.5
+"""Below this the FP8 emulation or the scoring is broken, not merely rounded; the numbers are the point."""
+
+
+def check_dsa_topk(ctx: Context) -> list[Line]:
+    if not ctx.gpu:
+        return not_applicable("dsa-topk", "FP8 (float8_e4m3fn) index scoring at 2k and 8k tokens is measured on CUDA")
+    out = ctx.workdir("dsa-topk") / "result.json"
+    proc = ctx.run("dsa-topk", [*python(), "tests/gpu/mp_scripts/dsa_topk_agreement.py", str(out),
+                                "--lengths", "2048,8192", "--device", "cuda"])
+    if proc.returncode or not out.is_file():
+        return [Line("FAIL", "dsa-topk", f"rc={proc.returncode}: {tail(proc.stdout)}")]
+    lines = []
+    for r in json.loads(out.read_text())["rows"]:
+        ok = r["agreement"] >= TOPK_AGREEMENT_FLOOR
+        lines.append(Line("PASS" if ok else "FAIL", f"dsa-topk {r['length']}",
+                          f"FP8 vs Megatron fp32 indexer, top-{r['topk']} of up to {r['length']} keys: mean "
+                          f"agreement {r['agreement']:.4f}, worst query {r['min_row']:.4f} over {r['queries']} "
+                          f"queries (floor {TOPK_AGREEMENT_FLOOR})"))
+    return lines
