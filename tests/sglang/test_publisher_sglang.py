@@ -69,7 +69,9 @@ def test_versions_advance_across_disk_and_distributed_pushes_and_health_keeps_th
             assert _served_version(server) == "1"
             assert await client.health() == {server.url: True} and client.healthy_urls() == [server.url]
 
-            out = await asyncio.to_thread(disk.push, _weights(server, 0.5), 2)
+            loop = asyncio.get_running_loop()  # the client's loop runs the load (as the scheduler's pause does)
+            paused = lambda update: asyncio.run_coroutine_threadsafe(update(), loop).result()  # noqa: E731
+            out = await asyncio.to_thread(disk.push, _weights(server, 0.5), 2, paused=paused)
             assert out["weight_sync/verified"] == 1, out
             served.set(None, 2)
             assert _served_version(server) == "2"
@@ -106,28 +108,36 @@ def test_an_update_session_interrupted_mid_push_is_ended_and_the_next_push_succe
 
 
 def test_aborting_a_queued_request_answers_without_prompt_tokens_and_parses_as_an_abort(sglang_server):
-    """Paused generation holds a new request in SGLang's waiting queue; aborting it there answers
-    200 without prompt_tokens or routed_experts (tokenizer_manager._handle_abort_req)."""
-    server, post = sglang_server, lambda path, body: httpx.post(
-        sglang_server.url + path, json=body, headers=sglang_server.headers, timeout=120, trust_env=False)
-    assert post("/pause_generation", {"mode": "retract"}).status_code == 200
-    payload = build_generate_payload([5, 6, 7, 8], SamplingParams(max_new_tokens=8, temperature=1.0), rid="queued-1",
-                                     return_routed_experts=True)
+    """A running request retracted by a pause goes back to SGLang's waiting queue with its output;
+    aborting it there answers 200 without prompt_tokens or routed_experts
+    (``scheduler.py:abort_request`` pops it from ``waiting_queue``; ``tokenizer_manager._handle_abort_req``
+    answers), and our parser takes it as an abort."""
+    server = sglang_server
+
+    def post(path, body):
+        return httpx.post(server.url + path, json=body, headers=server.headers, timeout=300, trust_env=False)
+    sampling = SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True)
+    payload = build_generate_payload([5, 6, 7, 8], sampling, rid="queued-1", return_routed_experts=True)
     box: dict = {}
     thread = threading.Thread(target=lambda: box.update(reply=post("/generate", payload)))
     thread.start()
     try:
-        time.sleep(2.0)  # the request reaches the scheduler's waiting queue
+        time.sleep(0.5)  # decoding
+        assert post("/pause_generation", {"mode": "retract"}).status_code == 200  # back to the waiting queue
         assert post("/abort_request", {"rid": "queued-1"}).status_code == 200
         thread.join(60)
     finally:
         post("/continue_generation", {})
-        thread.join(60)
+        thread.join(120)
     reply = box["reply"]
     assert reply.status_code == 200, reply.text
-    meta = reply.json()["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort" and "prompt_tokens" not in meta
-    assert "routed_experts" not in meta
-    res = parse_generate_reply(reply.json(), rid="queued-1", engine_url=server.url, latency_s=0.0,
-                               want_routed_experts=True, routed_experts_layout=(2, 2), prompt_len=4)
-    assert res.finish_reason == "abort" and res.output_ids == [] and res.prompt_tokens == 4
+    body = reply.json()
+    meta = body["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and "prompt_tokens" not in meta, meta
+    assert "routed_experts" not in meta and len(body["output_ids"]) < 400
+    kept = parse_generate_reply(body, rid="queued-1", engine_url=server.url, latency_s=0.0, prompt_len=4)
+    assert kept.finish_reason == "abort" and kept.output_ids == body["output_ids"] and kept.prompt_tokens == 4
+    assert kept.versions == [0] * len(kept.output_ids)
+    routed = parse_generate_reply(body, rid="queued-1", engine_url=server.url, latency_s=0.0, prompt_len=4,
+                                  want_routed_experts=True, routed_experts_layout=(2, 2))
+    assert routed.output_ids == [] and routed.routed_experts.shape == (0, 2, 2)

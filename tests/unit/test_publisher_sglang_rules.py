@@ -79,9 +79,9 @@ class _Engines:
         if request.url.path == self.fail_on:
             return httpx.Response(500, json={"success": False, "message": "boom"})
         if request.url.path == "/weights_checker":
-            info = {"tp_rank": r, "tp_size": self.tp_size}
             return httpx.Response(200, json={"success": True, "ranks": [
-                {"checksums": {}, "parallelism_info": [info]} for r in range(self.tp_size)]})
+                {"checksums": {}, "parallelism_info": [{"tp_rank": r, "tp_size": self.tp_size}]}
+                for r in range(self.tp_size)]})
         return httpx.Response(200, json={"success": True, "message": "Success"})
 
 
