@@ -223,3 +223,36 @@ def test_an_episode_whose_request_is_aborted_in_the_queue_is_resubmitted():
     assert replies[:2] == ["aborted", "done"]
     assert len(batch) == 1 and batch[0].response_ids == [1, 2]
     assert not any(v for k, v in metrics.items() if "failed" in k), metrics
+
+
+# ---------------------------------------------------------------- the one record of the version
+def test_health_keeps_engines_serving_the_published_or_the_pending_version():
+    """The client reads the publisher's record: an engine serving it (or the version a push in flight is
+    loading) stays in; one serving another version is kept out until it serves the current one."""
+    from sao_megatron.rollout.client import RolloutClient
+    from sao_megatron.rollout.recovery import CurrentWeights
+
+    reported = {"a": "2", "b": "1"}
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/model_info":
+            return httpx.Response(200, json={"weight_version": reported[request.url.host]})
+        return httpx.Response(200, json={})
+
+    async def run():
+        served = CurrentWeights(None, 1)
+        client = RolloutClient(["http://a", "http://b"], served=served)
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+        served.pending = 2  # a push of version 2 in flight: engine a took it already
+        await client.health()
+        during = sorted(client.healthy_urls())
+        served.set(None, 2)
+        served.pending = None  # committed: b still serves 1
+        await client.health()
+        after = sorted(client.healthy_urls())
+        reported["b"] = "2"
+        await client.health()
+        return during, after, sorted(client.healthy_urls())
+    during, after, caught_up = asyncio.run(run())
+    assert during == ["http://a", "http://b"] and after == ["http://a"]
+    assert caught_up == ["http://a", "http://b"]
