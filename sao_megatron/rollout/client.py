@@ -66,9 +66,11 @@ class RolloutClient:
                  timeout_s: float = 600.0, max_connect_retries: int = 3, connect_timeout_s: float = 5.0,
                  control_timeout_s: float | None = None, retry_backoff_s: float = 0.2,
                  routed_experts_layout: tuple[int, int] | None = None,
-                 on_exchange: ExchangeHook | None = None):
+                 on_exchange: ExchangeHook | None = None, served=None):
         """``routed_experts_layout``: (num_layers, topk) of the served model, to shape routed experts;
-        ``on_exchange``: called with (path, payload, reply) after every reply (tracing, contract tests)."""
+        ``on_exchange``: called with (path, payload, reply) after every reply (tracing, contract tests);
+        ``served``: the weight version every engine must serve, owned by the weight publisher
+        (``rollout.recovery.CurrentWeights``: ``.version`` and, during a push, ``.pending``)."""
         self._router = LeastLoadedRouter([u.rstrip("/") for u in engine_urls])
         self.router_url = router_url.rstrip("/") if router_url else None
         self.timeout_s = timeout_s
@@ -80,8 +82,7 @@ class RolloutClient:
         self.engine_wait_s = 0.0
         """With no healthy engine, ``generate`` waits this long for one to come back (a restart) before
         raising EngineUnavailable (0: raise at once)."""
-        self.weight_version: int | None = None
-        """Last version pushed through this client (None before the first update)."""
+        self.served = served
         self.paused = False
         """Generation is paused on the engines (health probes then skip SGLang's /health, which waits)."""
         self._open_sends: dict[str, set[asyncio.Future]] = {}
@@ -96,6 +97,17 @@ class RolloutClient:
                                 keepalive_expiry=2.0))
         # keepalive_expiry below the servers' keep-alive timeout (uvicorn: 5 s) so a pooled
         # connection is never reused just as the server closes it (that would look like a crash).
+
+    @property
+    def weight_version(self) -> int | None:
+        """The version every engine must serve (the publisher's; None: not checked)."""
+        return None if self.served is None else self.served.version
+
+    def serves_current(self, reported: object) -> bool:
+        """An engine reporting ``reported`` serves the published weights (or the ones being pushed)."""
+        if self.served is None:
+            return True
+        return str(reported) in {str(self.served.version), str(getattr(self.served, "pending", None))}
 
     # ------------------------------------------------------------------ transport
     @property
@@ -291,7 +303,7 @@ class RolloutClient:
         reply = self._check(resp, url, "/generate", payload, expect_json=True)
         return parse_generate_reply(reply, rid=rid, engine_url=url, latency_s=time.perf_counter() - start,
                                     routed_experts_layout=self.routed_experts_layout,
-                                    want_routed_experts=want_routed)
+                                    want_routed_experts=want_routed, prompt_len=len(payload["input_ids"]))
 
     async def _abort_quietly(self, url: str, rid: str) -> None:
         targets = self.healthy_urls() if url == self.router_url else [url]
@@ -335,18 +347,12 @@ class RolloutClient:
         await self._broadcast("/update_weights_from_disk",
                               {"model_path": str(model_path), "weight_version": str(int(weight_version))},
                               expect_json=True)
-        self.weight_version = int(weight_version)
 
     async def load_weights_from_disk_on(self, url: str, model_path: str, *, weight_version: int) -> None:
-        """One engine (not yet routed to, e.g. restarted) loads ``model_path`` as ``weight_version``,
-        inside its own update session."""
-        url = url.rstrip("/")
-        await self._call(url, "/begin_weight_update", {})
-        try:
-            await self._call(url, "/update_weights_from_disk", {"model_path": str(model_path),
-                             "weight_version": str(int(weight_version))}, expect_json=True)
-        finally:
-            await self._call(url, "/end_weight_update", {})
+        """One engine (not yet routed to, e.g. restarted) loads ``model_path`` as ``weight_version``
+        (no update session: SGLang's disk path post-processes the weights itself, see ``weight_sync``)."""
+        await self._call(url.rstrip("/"), "/update_weights_from_disk", {"model_path": str(model_path),
+                         "weight_version": str(int(weight_version))}, expect_json=True)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, *,
                                         engine_world_sizes: list[int] | None = None,
@@ -384,8 +390,6 @@ class RolloutClient:
         if weight_version is not None:
             payload["weight_version"] = str(int(weight_version))
         await self._broadcast("/update_weights_from_distributed", payload, expect_json=True)
-        if weight_version is not None:
-            self.weight_version = int(weight_version)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         await self._broadcast("/destroy_weights_update_group", {"group_name": group_name}, expect_json=True)
@@ -431,13 +435,13 @@ class RolloutClient:
 
     async def _probe(self, url: str, timeout_s: float) -> EngineState:
         state = await probe(self._http, url, paused=self.paused, health_timeout_s=timeout_s)
-        if state is not EngineState.OK or self.weight_version is None:
+        if state is not EngineState.OK or self.served is None:
             return state
         try:
             info = (await self._http.get(url + "/model_info", timeout=timeout_s)).json()
         except (httpx.HTTPError, ValueError):
             return EngineState.DEAD
-        if str(info.get("weight_version")) == str(self.weight_version):
+        if self.serves_current(info.get("weight_version")):
             return EngineState.OK
         self._mark_unhealthy(url, f"serves weight version {info.get('weight_version')}, expected {self.weight_version}")
         return EngineState.BUSY  # alive, but kept out until it has the current weights

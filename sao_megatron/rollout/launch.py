@@ -93,6 +93,7 @@ class LocalEngines:
         self.extra_args = list(extra_args)
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="sao-engines-"))
         self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = 3.0
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.logs: list[Path] = []
@@ -105,12 +106,15 @@ class LocalEngines:
             cmd += ["--api-key", self.api_key]
         return cmd + self.extra_args
 
+    def _env(self) -> dict[str, str]:
+        return _offline_env()
+
     def _spawn(self, name: str) -> tuple[subprocess.Popen, Path, Path]:
         port_file, log = self.log_dir / f"{name}.port", self.log_dir / f"{name}.log"
         port_file.unlink(missing_ok=True)
         with open(log, "w") as fh:
             proc = subprocess.Popen(self._command(port_file), stdout=fh, stderr=subprocess.STDOUT,
-                                    env=_offline_env(), start_new_session=True, preexec_fn=_die_with_parent)
+                                    env=self._env(), start_new_session=True, preexec_fn=_die_with_parent)
         return proc, port_file, log
 
     def start(self) -> list[str]:
@@ -184,7 +188,7 @@ class LocalEngines:
     def stop(self) -> None:
         # Engines hold no state worth a graceful drain: do not let shutdown dominate a requeue.
         for proc in self.processes:
-            _stop_process(proc, timeout=3.0)
+            _stop_process(proc, timeout=self.stop_timeout_s)
 
     def __enter__(self) -> LocalEngines:
         self.start()
@@ -192,6 +196,103 @@ class LocalEngines:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class SGLangEngines(LocalEngines):
+    """``num_engines`` real SGLang servers (``python -m sglang.launch_server``) on free loopback ports.
+
+    The same life cycle as :class:`LocalEngines` (``extra_args`` such as ``--weight-version``,
+    ``--skip-tokenizer-init`` and ``--enable-return-routed-experts`` mean the same to both), run by
+    ``python``: SGLang's own venv (:func:`sglang_python`). The KV cache holds ``max_total_tokens``
+    (SGLang otherwise sizes it to the free memory: 58M tokens, 13.8 GB on a CPU machine). The dtype
+    is the checkpoint's own (its config.json), passed explicitly: SGLang's ``auto`` serves a float32
+    checkpoint in float16. ``device="cpu"`` runs it with the CPU support of
+    ``rollout.sglang_cpu``; ``"cuda"`` runs it plainly.
+
+    SGLang has no port file: each start takes a port probed just before (the log says if it lost the
+    race, which ends the start with that log's tail).
+    """
+
+    def __init__(self, model_dir: str | Path, num_engines: int, *, python: str, device: str,
+                 max_total_tokens: int, api_key: str | None = None, extra_args: Sequence[str] = (),
+                 log_dir: str | Path | None = None, startup_timeout_s: float = 300.0):
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {device!r}")
+        if max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
+        super().__init__(model_dir, num_engines, api_key=api_key, extra_args=extra_args, log_dir=log_dir,
+                         startup_timeout_s=startup_timeout_s)
+        self.python, self.device, self.max_total_tokens = python, device, max_total_tokens
+        self.stop_timeout_s = 15.0  # SGLang takes 3-12 s to shut down on SIGTERM
+        self.disabled_patches: tuple[str, ...] = ()
+        """CPU patches left out (tests show each is needed): names of ``sglang_cpu.PATCHES``."""
+
+    def _command(self, port_file: Path) -> list[str]:
+        port = free_port()
+        port_file.write_text(str(port))
+        cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_dir,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", checkpoint_dtype(self.model_dir),
+               "--max-total-tokens", str(self.max_total_tokens), "--skip-server-warmup"]
+        if self.device == "cpu":
+            cmd += ["--device", "cpu"]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        if "--weight-version" not in self.extra_args:
+            cmd += ["--weight-version", "0"]
+        return cmd + self.extra_args
+
+    def _env(self) -> dict[str, str]:
+        if self.device != "cpu":
+            return _offline_env()
+        from sao_megatron.rollout import sglang_cpu
+
+        return sglang_cpu.cpu_env(_offline_env(), disable=self.disabled_patches)
+
+
+def checkpoint_dtype(model_dir: str | Path) -> str:
+    """The dtype an HF checkpoint declares (config.json ``torch_dtype``/``dtype``), as SGLang's --dtype."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    name = str(config.get("torch_dtype") or config.get("dtype") or "").removeprefix("torch.")
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"{model_dir}/config.json declares dtype {name or 'none'!r}; SGLang servers started "
+                         "here need float32, bfloat16 or float16 (torch_dtype) to serve the trainer's dtype")
+    return name
+
+
+SGLANG_ENV_HELP = ("build it with `bash scripts/setup.sh --sglang` (or `make sglang-env`), which prints its "
+                   "python on the last line, and pass --set rollout.sglang_python=THAT_PATH (or export "
+                   "SAO_SGLANG_PYTHON=THAT_PATH)")
+
+
+def sglang_python(configured: str | None) -> str:
+    """The python of SGLang's venv: ``configured`` (rollout.sglang_python), else ``$SAO_SGLANG_PYTHON``.
+
+    ValueError saying how to build it when neither is set, the file is missing, or its sglang is not
+    the pinned release."""
+    from sao_megatron.rollout.sglang_cpu import SGLANG_VERSION
+
+    python = configured or os.environ.get("SAO_SGLANG_PYTHON")
+    if not python:
+        raise ValueError("rollout.engine=sglang without rollout.engine_urls starts SGLang servers on this "
+                         f"machine and needs the python of an SGLang {SGLANG_VERSION} venv: {SGLANG_ENV_HELP}")
+    if not os.access(python, os.X_OK):
+        raise ValueError(f"rollout.sglang_python={python} is not an executable file: {SGLANG_ENV_HELP}")
+    probe = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+                           capture_output=True, text=True, timeout=60, env=_offline_env())
+    have = probe.stdout.strip() if probe.returncode == 0 else "not installed"
+    if have != SGLANG_VERSION:
+        raise ValueError(f"{python} has sglang {have}, the project is pinned to sglang=={SGLANG_VERSION}: "
+                         f"{SGLANG_ENV_HELP}")
+    return python
+
+
+def default_device() -> str:
+    """Where locally started SGLang servers run: cuda when this machine has a GPU, else cpu."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class SGLangRouterProcess:

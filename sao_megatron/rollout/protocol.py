@@ -135,16 +135,51 @@ def _logprobs(meta: dict[str, Any], output_ids: list[int]) -> list[float]:
 
 def parse_generate_reply(reply: Any, *, rid: str, engine_url: str, latency_s: float,
                          routed_experts_layout: tuple[int, int] | None = None,
-                         want_routed_experts: bool = False) -> GenerateResult:
+                         want_routed_experts: bool = False, prompt_len: int | None = None) -> GenerateResult:
     """Check a ``/generate`` reply and turn it into a ``GenerateResult``.
 
-    Raises ``EngineReplyError`` (with the reason) on anything malformed.
+    ``prompt_len``: the number of ``input_ids`` sent, the prompt length of a request aborted while
+    queued (see ``_queued_abort``). Raises ``EngineReplyError`` (with the reason) on anything malformed.
     """
     try:
+        if _queued_abort(reply):
+            reply = _as_queued_abort(reply, prompt_len, want_routed_experts)
         return _parse(reply, rid, engine_url, latency_s, routed_experts_layout, want_routed_experts)
     except (ValueError, TypeError, KeyError) as exc:
         raise EngineReplyError(f"malformed /generate reply from {engine_url} for rid {rid}: {exc}; "
                                f"body: {truncate(repr(reply))}", url=engine_url) from None
+
+
+def _queued_abort(reply: Any) -> bool:
+    """SGLang's reply to a request aborted in its waiting queue: finish type abort, no ``prompt_tokens``.
+
+    The scheduler pops the request from ``waiting_queue`` and sends only an ``AbortReq``
+    (``srt/managers/scheduler.py:abort_request`` → ``send_abort_output(_make_abort_req(req))``); the
+    tokenizer manager answers it from its own request state (``tokenizer_manager.py:_handle_abort_req``):
+    ``meta_info`` holds id, finish_reason, weight_version, e2e_latency, weight_versions, the log-probs
+    it has (``add_logprob_to_meta_info``) and completion_tokens, but no ``prompt_tokens``,
+    ``cached_tokens`` or ``routed_experts``. ``output_ids`` are the tokens it streamed before (none for
+    a request that never ran; a retracted one keeps its earlier tokens).
+    """
+    meta = reply.get("meta_info") if isinstance(reply, dict) else None
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    return isinstance(finish, dict) and finish.get("type") == "abort" and "prompt_tokens" not in meta
+
+
+def _as_queued_abort(reply: dict[str, Any], prompt_len: int | None, want_routed: bool) -> dict[str, Any]:
+    """The queued-abort reply completed: the prompt length is the caller's. Its routes are unknown, so
+    with routed experts asked for, its tokens are dropped (the resubmitted request generates them again
+    and returns their routes); without, they are kept like any abort's partial output."""
+    if prompt_len is None:
+        raise ValueError("meta_info.prompt_tokens is missing")
+    meta = dict(reply["meta_info"], prompt_tokens=prompt_len)
+    if want_routed and "routed_experts" not in meta:
+        spans = meta.get("weight_versions")
+        version = spans[0]["version"] if isinstance(spans, list) and spans else meta.get("weight_version")
+        meta |= {"routed_experts": "", "output_token_logprobs": [], "completion_tokens": 0,
+                 "weight_versions": [{"version": version, "start": 0, "end": 0}]}
+        return dict(reply, output_ids=[], meta_info=meta)
+    return dict(reply, meta_info=meta)
 
 
 def _parse(reply: Any, rid: str, engine_url: str, latency_s: float,

@@ -2,8 +2,10 @@
 must serve, how it gets them, and how locally started engines are restarted.
 
 - :class:`CurrentWeights`: the newest exported HF directory and its version, with the lock that
-  every weight push holds (``RolloutSide.paused``), so an engine is loaded and admitted either
-  wholly before a push (the push then reaches it too) or after it (it loads the new weights).
+  every weight push holds (``training.publisher.WeightPublisher``), so an engine is loaded and
+  admitted either wholly before a push (the push then reaches it too) or after it (it loads the
+  new weights). It is the one record of the served version: the publisher writes it, the client,
+  the scheduler and the supervisor's readmission read it.
 - Disk sync (``disk_readmit``): the restarted engine loads that directory, then is admitted.
 - Distributed sync (:class:`PendingReconnects`): the trainer reconnects the engine's update groups
   at the next step boundary (collective on every rank), pushes, and admits it when the push reached it.
@@ -31,8 +33,10 @@ logger = logging.getLogger(__name__)
 class CurrentWeights:
     """The HF directory and version every admitted engine serves."""
 
-    def __init__(self, path: str | Path, version: int):
-        self.path, self.version = Path(path), int(version)
+    def __init__(self, path: str | Path | None, version: int):
+        self.path, self.version = (Path(path) if path is not None else None), int(version)
+        self.pending: int | None = None
+        """The version a push in flight is loading (engines may already report it), else None."""
         self.lock = asyncio.Lock()
         """Held by every weight push and by every admission."""
 

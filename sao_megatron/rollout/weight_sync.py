@@ -5,8 +5,15 @@ transport from ``rollout.weight_sync``:
 - ``disk`` (:class:`DiskWeightSync`): every owner writes its own tensors as
   safetensors parts into one directory on the shared file system (no rank-0
   funnel), rank 0 adds the index and template files and renames the directory
-  into place atomically, then every engine loads it (``/update_weights_from_disk``
-  inside a ``/begin_weight_update`` session) while generation is paused;
+  into place atomically, then every engine loads it (``/update_weights_from_disk``)
+  while generation is paused. NOT inside a ``/begin_weight_update`` session: SGLang's
+  disk path restores, loads and post-processes the weights itself
+  (``model_runner_components/weight_updater.py:update_weights_from_disk`` →
+  ``DefaultModelLoader.load_weights_and_postprocess``) and never marks the session as
+  loaded, so ``/end_weight_update`` would run ``post_load_weights`` and
+  ``postprocess_weights`` a second time (``scheduler_components/weight_updater.py:
+  end_weight_update``: ``run_post_load = not self._session.loaded_weights``), which
+  re-packs already processed (e.g. FP8) weights;
 - ``distributed`` (``nccl`` accepted as an alias): SGLang's update groups, see
   ``weight_sync_distributed.py``.
 
@@ -33,7 +40,7 @@ from typing import Any, Protocol
 import httpx
 import torch
 
-from sao_megatron.rollout.weight_check import expected_checksums
+from sao_megatron.rollout.weight_check import EngineHolding, expected_checksums
 from sao_megatron.rollout.weight_sync_distributed import (
     DistributedWeightSync, Paused, WeightSyncError, _World, check_engine)
 
@@ -153,25 +160,44 @@ class DiskWeightSync:
 
     def __init__(self, *, client, sync_root: str | Path, template_dir: str | Path | None, keep_last: int = 2,
                  max_shard_bytes: int = 4 << 30, collective: bool = True, world_group=None, verify: bool = True,
-                 api_key: str | None = None, timeout_s: float = 300.0, strict_names: bool = True):
+                 api_key: str | None = None, timeout_s: float = 300.0, strict_names: bool = True,
+                 checkpoint_dtype: str | None = None, quantized: bool = False):
         """``client``: rank 0's RolloutClient (None elsewhere); it must live on the loop ``paused`` runs on.
-        ``strict_names``: see ``DistributedWeightSync``."""
+        ``strict_names``, ``checkpoint_dtype``, ``quantized``: see ``DistributedWeightSync``."""
         self.client = client
         self.sync_root, self.template_dir = Path(sync_root), template_dir
         self.keep_last, self.max_shard_bytes = max(1, keep_last), max_shard_bytes
         self.world = _World(world_group) if collective else _World.alone()
         self.needs_verify = self.verify_first = verify
-        self.strict_names = strict_names
+        self.strict_names, self.checkpoint_dtype, self.quantized = strict_names, checkpoint_dtype, quantized
+        self.holdings: dict[str, EngineHolding] = {}
+        """Engine URL → how it holds the weights (for checksums), learned at connect/reconnect."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(headers=headers, trust_env=False, timeout=timeout_s)
 
     def connect(self, engine_urls: list[str] | None, *, is_sender: bool) -> None:
-        """Nothing to join: engines read the shared file system."""
+        """Nothing to join (engines read the shared file system): learn how each engine holds weights."""
+        self.holdings = self.world.bcast(self._holdings(engine_urls) if self.world.rank == 0 else None)
         self.needs_verify = self.verify_first
 
     def reconnect(self, engine_url: str | None, new_url: str | None = None) -> None:
         """A restarted engine loads the next pushed directory (the client must route to it); verify that push."""
+        urls = [new_url or engine_url] if self.world.rank == 0 and (new_url or engine_url) else []
+        self.holdings |= self.world.bcast(self._holdings(urls) if self.world.rank == 0 else None)
         self.needs_verify = True
+
+    def _holdings(self, urls: list[str] | None) -> dict[str, EngineHolding]:
+        out = {}
+        for url in [u.rstrip("/") for u in urls or []]:
+            try:
+                info = self.http.get(url + "/server_info").json()
+            except (httpx.HTTPError, ValueError) as exc:
+                info = {}
+                logger.warning("%s/server_info failed (%s): its weights are not verified", url, exc)
+            out[url] = (EngineHolding.from_server_info(info, checkpoint_dtype=self.checkpoint_dtype,
+                                                       quantized=self.quantized)
+                        if info else EngineHolding(None, unverifiable="no /server_info"))
+        return out
 
     def close(self) -> None:
         self.http.close()
@@ -189,7 +215,8 @@ class DiskWeightSync:
             _save_shard(shard, tmp / name)
             parts.append((name, {k: t.numel() * t.element_size() for k, t in shard.items()}))
             if checksums:
-                sums.update(expected_checksums(shard.items()))
+                for holding in {h for h in self.holdings.values() if not h.unverifiable}:
+                    sums.setdefault(holding, {}).update(expected_checksums(shard.items(), holding))
         everyone = self.world.gather((parts, sums))
         if self.world.rank != 0:
             return None, {}
@@ -198,7 +225,11 @@ class DiskWeightSync:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return out, {n: c for _, s in everyone for n, c in s.items()}
+        merged: dict[EngineHolding, dict[str, str]] = {}
+        for _, s in everyone:
+            for holding, part in s.items():
+                merged.setdefault(holding, {}).update(part)
+        return out, merged
 
     def _finalize(self, tmp: Path, parts: list[tuple[str, dict[str, int]]], out: Path) -> Path:
         """(rank 0) Index + template files, then the directory moves into place atomically."""
@@ -247,23 +278,31 @@ class DiskWeightSync:
                 "weight_sync/load_seconds": time.perf_counter() - written,
                 "weight_sync/seconds": time.perf_counter() - start}
 
-    def _load(self, path: Path, version: int, paused: Paused | None, expected: dict[str, str] | None) -> dict:
-        async def update() -> None:
-            await self.client.begin_weight_update()
-            try:
-                await self.client.update_weights_from_disk(str(path), weight_version=version)
-            finally:
-                await self.client.end_weight_update()
+    def _load(self, path: Path, version: int, paused: Paused | None, expected: dict | None) -> dict:
+        async def update() -> None:  # no session: see the module docstring
+            await self.client.update_weights_from_disk(str(path), weight_version=version)
         if paused is None:
             asyncio.run(update())
         else:
             paused(update)
-        if expected is not None:
-            for url in self.client.healthy_urls():
-                check_engine(self.http, url, expected, strict=self.strict_names)
+        urls = self.client.healthy_urls()
+        unverified = len(urls) if expected is None else self._verify(urls, expected)
         self._prune()
         nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        return {"weight_sync/bytes": float(nbytes), "weight_sync/verified": float(expected is not None)}
+        return {"weight_sync/bytes": float(nbytes), "weight_sync/verified": float(not unverified),
+                "weight_sync/unverified_engines": float(unverified)}
+
+    def _verify(self, urls: list[str], expected: dict[EngineHolding, dict[str, str]]) -> int:
+        """Checks every engine whose checksums can be reproduced; returns how many could not."""
+        unverified = 0
+        for url in urls:
+            holding = self.holdings.get(url, EngineHolding(None, unverifiable="not connected"))
+            if holding.unverifiable:
+                logger.warning("%s: weights not verified (%s)", url, holding.unverifiable)
+                unverified += 1
+            elif not check_engine(self.http, url, expected.get(holding, {}), strict=self.strict_names):
+                unverified += 1
+        return unverified
 
     def _prune(self) -> None:
         versions = sorted(p for p in self.sync_root.glob("v[0-9]*") if p.is_dir())
@@ -272,14 +311,15 @@ class DiskWeightSync:
 
 
 def build_weight_sync(rollout_cfg, *, client, run_dir: str | Path, template_dir: str | Path | None,
-                      collective: bool = True, world_group=None) -> WeightSync:
+                      collective: bool = True, world_group=None, checkpoint_dtype: str | None = None) -> WeightSync:
     """The transport ``rollout_cfg.weight_sync`` names (``nccl`` is an alias of ``distributed``).
 
     ``client``: rank 0's RolloutClient (None on the other ranks). ``collective``: every trainer
     rank calls the sync (required by ``distributed``); False runs a disk sync on rank 0 alone.
+    ``checkpoint_dtype``: the export's ``torch_dtype`` (how SGLang's ``--dtype auto`` holds it).
     """
     sync = _build_transport(rollout_cfg, client=client, run_dir=run_dir, template_dir=template_dir,
-                            collective=collective, world_group=world_group)
+                            collective=collective, world_group=world_group, checkpoint_dtype=checkpoint_dtype)
     return Fp8BlockSync(sync) if rollout_cfg.engine_weight_format == "fp8_block" else sync
 
 
@@ -323,14 +363,16 @@ class Fp8BlockSync:
         return getattr(self.inner, name)
 
 
-def _build_transport(rollout_cfg, *, client, run_dir, template_dir, collective, world_group) -> WeightSync:
+def _build_transport(rollout_cfg, *, client, run_dir, template_dir, collective, world_group,
+                     checkpoint_dtype) -> WeightSync:
     kind = "distributed" if rollout_cfg.weight_sync == "nccl" else rollout_cfg.weight_sync
     strict = rollout_cfg.engine == "embedded"  # it reports checksums under the exported HF names
+    held = dict(strict_names=strict, checkpoint_dtype=checkpoint_dtype,
+                quantized=rollout_cfg.engine_weight_format == "fp8_block")
     if kind == "disk":
         return DiskWeightSync(client=client, sync_root=Path(run_dir) / "weights", template_dir=template_dir,
                               collective=collective, world_group=world_group, verify=rollout_cfg.weight_sync_verify,
-                              api_key=rollout_cfg.api_key, timeout_s=rollout_cfg.weight_sync_timeout_s,
-                              strict_names=strict)
+                              api_key=rollout_cfg.api_key, timeout_s=rollout_cfg.weight_sync_timeout_s, **held)
     if kind == "distributed":
         if not collective:
             raise ValueError("rollout.weight_sync=distributed is called on every trainer rank (each owner sends "
@@ -341,6 +383,5 @@ def _build_transport(rollout_cfg, *, client, run_dir, template_dir, collective, 
         return DistributedWeightSync(
             backend="nccl" if gpu else "gloo",
             bucket_bytes=rollout_cfg.weight_sync_bucket_mb << 20, timeout_s=rollout_cfg.weight_sync_timeout_s,
-            api_key=rollout_cfg.api_key, verify=rollout_cfg.weight_sync_verify, world_group=world_group,
-            strict_names=strict)
+            api_key=rollout_cfg.api_key, verify=rollout_cfg.weight_sync_verify, world_group=world_group, **held)
     raise ValueError(f"rollout.weight_sync must be disk or distributed (nccl is an alias), got {kind!r}")

@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 from sao_megatron.errors import SaoError
 from sao_megatron.rollout.update_group import FLATTENED_BUCKET, dtype_name, flatten_bucket, init_custom_process_group
-from sao_megatron.rollout.weight_check import WeightMismatchError, compare_checksums, expected_checksums
+from sao_megatron.rollout.weight_check import (
+    EngineHolding, WeightMismatchError, compare_checksums, expected_checksums)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ class EngineLink:
     index: int
     url: str
     tp_size: int
+    holding: EngineHolding = EngineHolding(None)
+    """How the engine holds the weights it reports checksums of (from its /server_info)."""
     group_name: str = ""
     group: Any = None
     failed: str | None = None
@@ -84,7 +87,8 @@ class _SenderStats:
     buckets: int = 0
     seconds: float = 0.0
     failed: dict[str, str] = field(default_factory=dict)
-    checksums: dict[str, str] = field(default_factory=dict)
+    checksums: dict[EngineHolding, dict[str, str]] = field(default_factory=dict)
+    """Per way of holding the weights (engines may differ): the checksums the engines must report."""
 
 
 class _World:
@@ -131,15 +135,18 @@ class DistributedWeightSync:
     def __init__(self, *, backend: str = "gloo", bucket_bytes: int = 512 << 20, timeout_s: float = 300.0,
                  api_key: str | None = None, master_address: str | None = None, group_prefix: str = "sao_wsync",
                  load_format: str | None = FLATTENED_BUCKET, verify: bool = True, device: str | None = None,
-                 world_group=None, strict_names: bool = True):
+                 world_group=None, strict_names: bool = True, checkpoint_dtype: str | None = None,
+                 quantized: bool = False):
         """``strict_names``: engines report checksums under HF checkpoint names (the embedded engine);
-        False for SGLang, whose fused parameter names are compared where they coincide."""
+        False for SGLang, whose fused parameter names are compared where they coincide.
+        ``checkpoint_dtype``: the export's ``torch_dtype`` (what SGLang's ``--dtype auto`` resolves from);
+        ``quantized``: the engines hold FP8 weights (their checksums are of dequantized weights)."""
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
         self.backend, self.bucket_bytes, self.timeout_s = backend, bucket_bytes, timeout_s
         self.master_address = master_address
         self.group_prefix, self.load_format, self.verify_first = group_prefix, load_format, verify
-        self.strict_names = strict_names
+        self.strict_names, self.checkpoint_dtype, self.quantized = strict_names, checkpoint_dtype, quantized
         self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
         self.world = _World(world_group)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -172,7 +179,7 @@ class DistributedWeightSync:
             raise WeightSyncError(layout)
         senders = [r for r, s in enumerate(self.world.gather(bool(is_sender))) if s]
         self.is_sender, self.sender_index = is_sender, senders.index(self.world.rank) if is_sender else 0
-        self.links = [EngineLink(i, url, tp) for i, (url, tp) in enumerate(layout)]
+        self.links = [EngineLink(i, url, tp, holding) for i, (url, tp, holding) in enumerate(layout)]
         if self.master_address is None:  # each sender hosts its groups' store where the engines can dial it
             self.master_address = address_towards(httpx.URL(layout[0][0]).host) if layout else "127.0.0.1"
         if is_sender:
@@ -190,8 +197,8 @@ class DistributedWeightSync:
         if bad:
             logger.error("weight-sync groups failed for %s", bad)
 
-    def _engine_layout(self, engine_urls: list[str] | None) -> list[tuple[str, int]] | str:
-        """[(url, tp_size)] from /server_info, or the reason an engine cannot join SGLang's update group."""
+    def _engine_layout(self, engine_urls: list[str] | None) -> list[tuple[str, int, EngineHolding]] | str:
+        """[(url, tp_size, holding)] from /server_info, or the reason an engine cannot join SGLang's update group."""
         out = []
         for url in [u.rstrip("/") for u in engine_urls or []]:
             try:
@@ -204,7 +211,9 @@ class DistributedWeightSync:
                         f"rank_offset + tp_rank and refuses distributed updates with data-parallel replicas, so "
                         f"only dp=pp=1 engines can take rollout.weight_sync=distributed; use "
                         f"rollout.weight_sync=disk for these engines")
-            out.append((url, int(info.get("tp_size", 1) or 1)))
+            holding = EngineHolding.from_server_info(info, checkpoint_dtype=self.checkpoint_dtype,
+                                                     quantized=self.quantized)
+            out.append((url, int(info.get("tp_size", 1) or 1), holding))
         if not out:
             return "rollout.weight_sync=distributed needs at least one engine URL"
         return out
@@ -258,7 +267,7 @@ class DistributedWeightSync:
         layout = self.world.bcast(self._engine_layout([names[1]]) if self.world.rank == 0 else None)
         if isinstance(layout, str):
             raise WeightSyncError(layout)
-        link.url, link.tp_size = layout[0]
+        link.url, link.tp_size, link.holding = layout[0]
         if self.is_sender:
             self._join(link)
         else:
@@ -298,12 +307,15 @@ class DistributedWeightSync:
     def _send_all(self, owned: Iterable[tuple[str, torch.Tensor]], version: int, verify: bool) -> dict[str, float]:
         start = time.perf_counter()
         verify = verify or self.needs_verify
-        live = self.world.bcast(self._begin_sessions() if self.world.rank == 0 else None)
-        stats = _SenderStats()
-        held = self._stream(owned, live, stats, verify)
-        stats.seconds = time.perf_counter() - start
-        everyone: list[_SenderStats] = self.world.gather(stats)
-        verdict = self._finish(held, version, everyone, verify) if self.world.rank == 0 else None
+        try:  # whatever fails between begin and end, the sessions end: SGLang refuses a second begin
+            live = self.world.bcast(self._begin_sessions() if self.world.rank == 0 else None)
+            stats = _SenderStats()
+            held = self._stream(owned, live, stats, verify)
+            stats.seconds = time.perf_counter() - start
+            everyone: list[_SenderStats] = self.world.gather(stats)
+            verdict = self._finish(held, version, everyone, verify) if self.world.rank == 0 else None
+        finally:
+            self._end_sessions()
         verdict = self.world.bcast(verdict)
         if isinstance(verdict, str):
             raise (WeightMismatchError if verdict.startswith("mismatch") else WeightSyncError)(verdict)
@@ -332,7 +344,8 @@ class DistributedWeightSync:
         for k, bucket in enumerate(_buckets(owned, self.bucket_bytes)):
             stats.owned += sum(t.numel() * t.element_size() for _, t in bucket)
             if verify:
-                stats.checksums.update(expected_checksums(bucket))
+                for holding in {l.holding for l in self.links if not l.holding.unverifiable}:
+                    stats.checksums.setdefault(holding, {}).update(expected_checksums(bucket, holding))
             if self.world.rank == 0:
                 bucket, held = held, bucket
                 if bucket is None:
@@ -392,28 +405,47 @@ class DistributedWeightSync:
         for link in self.links:
             if link.url in stats0.failed and link.failed is None:
                 link.failed = stats0.failed[link.url]
-        for link in [l for l in self.links if l.index in self._began]:
-            try:  # failed engines too: a live one must not keep a session open
-                self._post(link.url, "/end_weight_update", {})
-            except EngineSyncFailed as exc:
-                link.failed = link.failed or str(exc)
+        self._end_sessions()
         ok = [l for l in self.links if l.failed is None]
         if not ok:
             return f"weight sync of version {version} reached no engine: " + "; ".join(
                 f"{l.url}: {l.failed}" for l in self.links)
+        unverified = len(ok)
         if verify:
-            expected = {n: c for s in everyone for n, c in s.checksums.items()}
+            expected: dict[EngineHolding, dict[str, str]] = {}
+            for s in everyone:
+                for holding, sums in s.checksums.items():
+                    expected.setdefault(holding, {}).update(sums)
             try:
-                self._verify(ok, expected)
+                unverified = self._verify(ok, expected)
             except WeightMismatchError as exc:
                 return f"mismatch: {exc}"
-        return self._metrics(everyone, stats0, verify)
+        return self._metrics(everyone, stats0, unverified)
 
-    def _verify(self, links: list[EngineLink], expected: dict[str, str]) -> None:
+    def _end_sessions(self) -> None:
+        """(rank 0) End every session this push opened (failed engines too: a live one must not keep a
+        session open); once only."""
+        began, self._began = self._began, []
+        for link in [l for l in self.links if l.index in began]:
+            try:
+                self._post(link.url, "/end_weight_update", {})
+            except EngineSyncFailed as exc:
+                link.failed = link.failed or str(exc)
+
+    def _verify(self, links: list[EngineLink], expected: dict[EngineHolding, dict[str, str]]) -> int:
+        """Checks every engine whose checksums can be reproduced; returns how many could not."""
+        unverified = 0
         for link in links:
-            check_engine(self.http, link.url, expected, strict=self.strict_names)
+            if link.holding.unverifiable:
+                logger.warning("%s: weights not verified (%s); the log-prob parity gate covers it", link.url,
+                               link.holding.unverifiable)
+                unverified += 1
+            elif not check_engine(self.http, link.url, expected.get(link.holding, {}), strict=self.strict_names):
+                unverified += 1
+        return unverified
 
-    def _metrics(self, everyone: list[_SenderStats], stats0: _SenderStats, verify: bool) -> dict[str, float]:
+    def _metrics(self, everyone: list[_SenderStats], stats0: _SenderStats, unverified: int) -> dict[str, float]:
+        """``weight_sync/verified`` is 1 only when every engine the push reached had its checksums compared."""
         failed = [l for l in self.links if l.failed is not None]
         return {"weight_sync/bytes": float(sum(s.bytes for s in everyone) + stats0.bytes),
                 "weight_sync/engine_bytes": float(sum(s.owned for s in everyone)),
@@ -421,7 +453,8 @@ class DistributedWeightSync:
                 "weight_sync/sender_bytes_max": float(max(s.owned for s in everyone)),
                 "weight_sync/sender_seconds_max": max((s.seconds for s in everyone), default=0.0),
                 "weight_sync/buckets": float(sum(s.buckets for s in everyone) + stats0.buckets),
-                "weight_sync/failed_engines": float(len(failed)), "weight_sync/verified": float(verify)}
+                "weight_sync/failed_engines": float(len(failed)), "weight_sync/verified": float(not unverified),
+                "weight_sync/unverified_engines": float(unverified)}
 
     def failed_engines(self) -> dict[str, str]:
         """(rank 0) URL → reason for engines left out of the last push (they serve the previous version)."""
@@ -429,10 +462,10 @@ class DistributedWeightSync:
 
 
 def check_engine(http: httpx.Client, url: str, expected: dict[str, str], *, strict: bool) -> int:
-    """Compare one engine's ``/weights_checker`` checksums with the export's; returns tensors compared.
-
-    Engines serving tp_size > 1 report per-rank shards, not comparable with full tensors: not
-    verified (a warning; the log-prob parity gate covers them). WeightMismatchError on a difference.
+    """Compare one engine's ``/weights_checker`` checksums with ``expected`` (as the engine holds the
+    weights: ``weight_check.EngineHolding``); returns tensors compared. WeightMismatchError on a
+    difference. 0 (not verified, with a warning) when the engine reports several ranks (shards) or
+    no tensor named alike on both sides.
     """
     try:
         reply = http.post(url.rstrip("/") + "/weights_checker", json={"action": "checksum"}).json()
@@ -442,8 +475,8 @@ def check_engine(http: httpx.Client, url: str, expected: dict[str, str], *, stri
         raise WeightSyncError(f"{url}/weights_checker failed: {reply.get('message')}")
     ranks = reply.get("ranks") or []
     if len(ranks) != 1 or any(int(i["tp_size"]) > 1 for i in ranks[0]["parallelism_info"]):
-        logger.warning("%s serves %d ranks: shard checksums are not comparable with full tensors; not verified "
-                       "(use the log-prob parity gate)", url, len(ranks))
+        logger.warning("%s reports checksums of %d ranks (shards): not comparable with full tensors; not "
+                       "verified", url, len(ranks))
         return 0
     compared = compare_checksums(expected, ranks[0]["checksums"], where=f"engine {url}", require_all=strict)
     if not compared:

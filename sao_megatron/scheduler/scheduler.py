@@ -60,6 +60,15 @@ class _Unit:
     dead: bool = False
 
 
+class _Version:
+    """A scheduler's own version holder when nobody shares one with it."""
+
+    __slots__ = ("version",)
+
+    def __init__(self, version: int):
+        self.version = int(version)
+
+
 class AsyncScheduler:
     """Keeps episodes in flight against the engines and hands finished samples to the trainer."""
 
@@ -68,8 +77,12 @@ class AsyncScheduler:
                  schedule: RewardSchedule | None = None, max_turns: int = 1, max_total_tokens: int = 1 << 20,
                  reward_workers: int = 2, reward_timeout_s: float = 10.0, version: int = 0, seed: int = 0,
                  shuffle: bool = True, return_routed_experts: bool = False, max_attempts: int = 3,
-                 max_engine_retries: int = 5, retry_backoff_s: float = 0.5, mode: str | None = None) -> None:
+                 max_engine_retries: int = 5, retry_backoff_s: float = 0.5, mode: str | None = None,
+                 served=None) -> None:
+        """``served``: the object holding the served weight version (``.version``), shared with whoever
+        publishes the weights (``rollout.recovery.CurrentWeights``); None: this scheduler's own."""
         self.cfg, self.client, self.task = sched_cfg, client, task
+        self._served = served if served is not None else _Version(version)
         # The resolved mode (build_components resolves "auto" from the objective; the config is not mutated).
         self.mode = mode if mode is not None else sched_cfg.mode
         if self.mode not in ("single", "group", "sync"):
@@ -78,7 +91,6 @@ class AsyncScheduler:
         self.group_size = group_size if self.mode != "single" else 1
         self._check_sizes()
         self.prompts = prompts if prompts is not None else task.prompts()
-        self.version = version
         self.schedule = schedule or RewardSchedule([])
         self.max_attempts = max_attempts
         self._own_pool = reward_pool is None
@@ -107,10 +119,20 @@ class AsyncScheduler:
         self._fatal: BaseException | None = None
         self._running = self._stopping = False
 
+    @property
+    def version(self) -> int:
+        """The trainer's policy version: the weights the engines serve (read from ``served``)."""
+        return self._served.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._served.version = int(value)
+
     @classmethod
     def from_config(cls, client, task: Task, sched_cfg: SchedulerConfig, data_cfg: DataConfig,
                     rollout_cfg: RolloutConfig, *, group_size: int = 1, version: int = 0,
-                    schedule: RewardSchedule | None = None, mode: str | None = None) -> AsyncScheduler:
+                    schedule: RewardSchedule | None = None, mode: str | None = None,
+                    served=None) -> AsyncScheduler:
         """The scheduler as configured by the scheduler, data and rollout sections (phases from
         ``data_cfg.phases`` unless ``schedule`` is given)."""
         schedule = schedule or build_reward_schedule(data_cfg)
@@ -120,7 +142,7 @@ class AsyncScheduler:
                    max_turns=data_cfg.max_turns, max_total_tokens=data_cfg.max_total_tokens,
                    reward_workers=data_cfg.reward_workers, reward_timeout_s=data_cfg.reward_timeout_s,
                    version=version, seed=data_cfg.seed, return_routed_experts=rollout_cfg.routing_replay,
-                   mode=mode)
+                   mode=mode, served=served)
 
     def _check_sizes(self) -> None:
         c, g = self.cfg, self.group_size

@@ -1,10 +1,11 @@
-"""The trainer's rank-0 view of rollouts: engines, router, client, scheduler, weight pushes.
+"""The trainer's rank-0 view of rollouts: engines, router, client, scheduler, supervisor.
 
 On CPU (``rollout.engine=embedded``) it starts the embedded engines itself
 from an HF directory exported from the actor; with ``rollout.engine=sglang`` it
 talks to already running SGLang servers (``engine_urls``) through their router.
 The asyncio side runs on an :class:`AsyncBridge` thread so generation and
-reward computation continue while the actor trains.
+reward computation continue while the actor trains. Weights (the start directory, pushes, the
+served version, restarted engines' weights) belong to ``training.publisher.WeightPublisher``.
 """
 
 from __future__ import annotations
@@ -12,10 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pathlib
-from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
-
-import torch
 
 from sao_megatron.config import DataConfig, ExperimentConfig, RolloutConfig, SchedulerConfig
 from sao_megatron.envs.base import Task
@@ -24,11 +22,9 @@ from sao_megatron.models.families.hf_config import write_hf_template
 from sao_megatron.rollout.client import RolloutClient
 from sao_megatron.rollout.health import wait_healthy
 from sao_megatron.rollout.launch import LocalEngines, SGLangRouterProcess
-from sao_megatron.rollout.recovery import CurrentWeights, LocalRestarter, PendingReconnects, disk_readmit
+from sao_megatron.rollout.recovery import CurrentWeights, LocalRestarter
 from sao_megatron.rollout.router_admin import RouterAdmin
-from sao_megatron.rollout.supervisor import EngineSupervisor
-from sao_megatron.rollout.types import EngineUnavailable
-from sao_megatron.rollout.weight_sync import DiskWeightSync
+from sao_megatron.rollout.supervisor import EngineSupervisor, Readmit
 from sao_megatron.scheduler.sample import Sample
 from sao_megatron.scheduler.scheduler import AsyncScheduler
 from sao_megatron.training.async_bridge import AsyncBridge
@@ -79,55 +75,48 @@ class RolloutSide:
         self.router: SGLangRouterProcess | None = None
         self.client: RolloutClient | None = None
         self.scheduler: AsyncScheduler | None = None
-        self.disk: DiskWeightSync | None = None  # the engines' start directory and rollout.weight_sync=disk
         self.supervisor: EngineSupervisor | None = None  # restarts dead engines (rollout.supervisor)
-        self.weights: CurrentWeights | None = None
-        self.reconnects = PendingReconnects()  # rollout.weight_sync=distributed: restarted engines to rejoin
         self._supervising: Any = None
-        self._reconnecting: list = []
+        self._urls: list[str] = []
+        self._router_url: str | None = None
 
     # ------------------------------------------------------------------ start / stop
-    def start(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
-              scheduler_state: dict[str, Any] | None) -> None:
-        """Write weights ``version``, start (or reach) engines, then start generating."""
-        self.disk = DiskWeightSync(client=None, sync_root=self.weights_root, template_dir=self.template_dir,
-                                   collective=False, verify=self.cfg.weight_sync_verify, api_key=self.cfg.api_key,
-                                   timeout_s=self.cfg.weight_sync_timeout_s,
-                                   strict_names=self.cfg.engine == "embedded")
-        model_dir, _ = self.disk.write(named_tensors, version)
+    def start_engines(self, model_dir: pathlib.Path, version: int, *, served: CurrentWeights) -> RolloutClient:
+        """Start (or reach) the engines serving ``model_dir`` as ``version``; the client checks they
+        serve ``served``'s version (the publisher's). Returns the client."""
         urls = self._start_engines(model_dir, version)
         router_url = self._start_router(urls)
         self.client = RolloutClient(urls, router_url=router_url, api_key=self.cfg.api_key,
                                     timeout_s=self.cfg.request_timeout_s)
         self.client.engine_wait_s = self.cfg.no_engine_timeout_s  # episodes wait for a restart
-        self.disk.client = self.client
         health = self.bridge.run(self.client.health(), timeout=60)
         dead = [u for u, ok in health.items() if not ok]
         if dead:
             raise EngineStartError(f"rollout engines not healthy: {dead}. Check that the servers are up "
                                    f"(rollout.engine_urls) or the engine logs under {self.run_dir / 'logs'}")
-        if self.cfg.engine == "sglang":
-            # External servers started from their own weights: serve the actor's (initial or resumed)
-            # weights before the first rollout, tagged with the trainer's version.
-            self.bridge.run(self.client.update_weights_from_disk(str(model_dir), weight_version=version))
+        self.client.served = served  # from now on an engine serving another version is kept out
+        self._urls, self._router_url = urls, router_url
+        return self.client
+
+    def start_generation(self, served: CurrentWeights, *, readmit: Readmit,
+                         scheduler_state: dict[str, Any] | None) -> None:
+        """Start the scheduler at ``served``'s version and the supervisor (``readmit``: the publisher's)."""
         self.scheduler = AsyncScheduler.from_config(
             self.client, self.task, self.sched_cfg, self.data_cfg, self.cfg, group_size=self.group_size,
-            version=version, mode=self.mode)
+            version=served.version, mode=self.mode, served=served)
         if scheduler_state is not None:
             self.scheduler.load_state_dict(scheduler_state)
-        self.weights = CurrentWeights(model_dir, version)
         self.bridge.run(self.scheduler.start())
-        self._start_supervisor(urls, router_url)
+        self._start_supervisor(self._urls, self._router_url, served, readmit)
 
-    def _start_supervisor(self, urls: list[str], router_url: str | None) -> None:
+    def _start_supervisor(self, urls: list[str], router_url: str | None, served: CurrentWeights,
+                          readmit: Readmit) -> None:
         """Dead or hung engines are restarted (embedded: here; sglang: by whoever launched them) and
         readmitted with the current weights (see rollout.supervisor)."""
         launcher = None
         if self.engines is not None:
-            launcher = LocalRestarter(self.engines, self.weights, self.bridge.loop, self.weights_root / "restarts",
+            launcher = LocalRestarter(self.engines, served, self.bridge.loop, self.weights_root / "restarts",
                                       ["--skip-tokenizer-init"])
-        readmit = (disk_readmit(self.client, self.weights, on_admit=self.disk.reconnect)
-                   if self.cfg.weight_sync == "disk" else self.reconnects.readmit)
         router = RouterAdmin(router_url, api_key=self.cfg.api_key) if router_url else None
         self.supervisor = EngineSupervisor(
             self.client, urls, readmit=readmit, launcher=launcher, router=router, api_key=self.cfg.api_key,
@@ -170,8 +159,6 @@ class RolloutSide:
         except Exception as exc:  # shutting down: report, keep closing
             log.warning("rollout shutdown: %s", exc)
         finally:
-            if self.disk is not None:
-                self.disk.close()
             if self.router is not None:
                 self.router.stop()
             if self.engines is not None:
@@ -207,64 +194,10 @@ class RolloutSide:
         assert self.scheduler is not None
         self.bridge.run(_call(self.scheduler.reset_admission_budget))
 
-    def paused(self, version: int) -> Callable[[Callable[[], Awaitable[None]]], None]:
-        """Runs a weight-sync coroutine with generation paused, then continues at ``version`` (blocking)."""
-        disk = self.cfg.weight_sync == "disk"
-
-        def run(update: Callable[[], Awaitable[None]]) -> None:
-            async def locked() -> None:  # engine admissions wait: none may miss this push
-                async with self.weights.lock:
-                    await update()
-                    self.weights.set(self.weights_root / f"v{version:06d}" if disk else None, version)
-            if disk and not self.client.healthy_urls():
-                # Every engine is down (restarting): nothing to pause or load; they load these on readmission.
-                self.bridge.run(self._record_weights(version, disk))
-                return
-            try:
-                self.bridge.run(self.scheduler.on_weights_updated(version, locked))
-            except EngineUnavailable as exc:
-                if self.client.healthy_urls():
-                    raise
-                # The last engines died during the push. As when they were down before it: the weights
-                # are recorded, restarted engines load them on readmission, and the next batch waits
-                # for an engine (NoEngineError after rollout.no_engine_timeout_s).
-                log.warning("every engine failed during the v%d weight push (%s); engines readmitted "
-                            "later load these weights", version, exc)
-                self.bridge.run(self._record_weights(version, disk))
-        return run
-
-    async def _record_weights(self, version: int, disk: bool) -> None:
-        async with self.weights.lock:
-            self.weights.set(self.weights_root / f"v{version:06d}" if disk else None, version)
-        self.scheduler.set_version(version)
-
-    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
-        """rollout.weight_sync=disk from rank 0 alone: write while engines generate, then pause → load → continue."""
-        assert self.scheduler is not None and self.disk is not None
-        metrics = self.disk.push(named_tensors, version, paused=self.paused(version))
-        return {"timing/weight_write_s": metrics["weight_sync/write_seconds"],
-                "timing/weight_update_s": metrics["weight_sync/load_seconds"],
-                "rollout/weight_sync_bytes": metrics["weight_sync/bytes"]}
-
     def metrics(self) -> dict[str, float]:
         assert self.scheduler is not None
         out = self.bridge.run(_call(self.scheduler.metrics))
         return out | (self.supervisor.metrics() if self.supervisor is not None else {})
-
-    def take_reconnects(self) -> list[tuple[str, str]]:
-        """rollout.weight_sync=distributed: restarted engines whose update groups the trainer rebuilds
-        (``reconnect(old, new)`` on every rank) before the next push; ``admit_reconnected`` after it."""
-        self._reconnecting = self.reconnects.take()
-        return [(old, new) for old, new, _ in self._reconnecting]
-
-    def admit_reconnected(self, reached: set[str]) -> None:
-        """After the push: route to the reconnected engines it ``reached``; the others retry next push."""
-        for old, new, admit in self._reconnecting:
-            if new in reached:
-                self.bridge.run(admit(new))
-            else:
-                self.bridge.run(self.reconnects.readmit(old, new, admit))
-        self._reconnecting = []
 
     def state_dict(self) -> dict[str, Any]:
         assert self.scheduler is not None

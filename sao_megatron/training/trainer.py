@@ -23,12 +23,12 @@ from sao_megatron.parallel.collectives import any_rank, broadcast_object, gather
 from sao_megatron.scheduler.sample import Sample
 from sao_megatron.training import rl_step
 from sao_megatron.training.batch import LocalBatch, prepare_batch
-from sao_megatron.training.components import Components, build_components, drain, export_weights, initial_weights
+from sao_megatron.training.components import Components, build_components, initial_weights
 from sao_megatron.training.evaluation import PeriodicEval
-from sao_megatron.training.export import iter_owned_hf_tensors, owns_tensors
 from sao_megatron.training.metrics_log import MetricsLogger, reward_summary
 from sao_megatron.training.offload import park, resident
 from sao_megatron.training.optim import NonFiniteGuard
+from sao_megatron.training.publisher import WeightPublisher
 from sao_megatron.training.run_state import RunState
 from sao_megatron.training.step_metrics import batch_metrics, value_metrics
 
@@ -50,14 +50,14 @@ class Trainer:
         self.state = RunState(self.run_dir, keep_last=cfg.checkpoint.keep_last, rank0=self.rank0,
                               offload=self.offload, async_save=cfg.checkpoint.async_save,
                               verify_checksums=cfg.checkpoint.verify_checksums)
-        self.step = self.version = 0
+        self.step = 0
+        self.publisher = WeightPublisher(cfg, self.c, self.run_dir, rank0=self.rank0)  # owns the weight version
         self.guard = NonFiniteGuard(cfg.run.max_nan_steps)
         self.policy = rl_step.PolicySettings(vocab_size=cfg.model.vocab_size, temperature=cfg.rollout.temperature,
                                              entropy_coef=cfg.actor.entropy_coef, ppo_epochs=cfg.actor.ppo_epochs,
                                              num_minibatches=cfg.actor.num_minibatches,
                                              update_norm=cfg.actor.log_update_norm)
         self.rollout = None
-        self.weight_sync = None  # rollout.weight_sync=distributed: every rank sends the tensors it owns
         self.logger = (MetricsLogger(self.run_dir, cfg.logging, run_name=self.run_dir.name,
                                      config_dict=to_dict(cfg)) if self.rank0 else None)
         self._stop_signal: int | None = None
@@ -66,6 +66,11 @@ class Trainer:
                                                    num_steps=cfg.run.num_steps) if self.rank0 else None)
         if self.offload:  # Megatron logs every move at INFO (four lines a step); its setup lines are done by now
             logging.getLogger("megatron.core.optimizer.optimizer").setLevel(logging.WARNING)
+
+    @property
+    def version(self) -> int:
+        """The policy version the engines serve (the publisher's, the one record of it)."""
+        return self.publisher.version
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -118,8 +123,7 @@ class Trainer:
         metrics = self._update(samples)
         t2 = time.perf_counter()
         if metrics.pop("_applied"):
-            self.version += 1
-            metrics |= self._sync_weights()
+            metrics |= self.publisher.publish()
         self.step += 1
         metrics |= {"version": self.version, "timing/wait_batch_s": t1 - t0, "timing/train_s": t2 - t1,
                     "timing/step_s": time.perf_counter() - t0}
@@ -192,48 +196,9 @@ class Trainer:
     def _start_rollout(self, state: dict[str, Any] | None) -> None:
         from sao_megatron.training.rollout_side import build_rollout_side
 
-        gen = export_weights(self.c)
-
-        def start():
-            self.rollout = build_rollout_side(self.cfg, self.c.task, mode=self.c.mode, run_dir=self.run_dir)
-            try:
-                self.rollout.start(gen, version=self.version, scheduler_state=(state or {}).get("scheduler"))
-            finally:
-                drain(gen)
-
-        rank0_call(start, others=lambda: drain(gen))
-        if self.cfg.rollout.weight_sync != "disk":
-            from sao_megatron.rollout.weight_sync import build_weight_sync
-
-            self.weight_sync = build_weight_sync(self.cfg.rollout, client=None, run_dir=self.run_dir,
-                                                 template_dir=None)
-            self.weight_sync.connect(self.rollout.client.engine_urls if self.rank0 else None,
-                                     is_sender=owns_tensors(self.c.exporter))
-
-    def _sync_weights(self) -> dict[str, float]:
-        t0 = time.perf_counter()
-        if self.weight_sync is not None:  # collective: each owner sends its own tensors
-            self._reconnect_restarted()
-            out = self.weight_sync.push(iter_owned_hf_tensors(self.c.exporter), self.version,
-                                        paused=self.rollout.paused(self.version) if self.rank0 else None)
-            out = {"rollout/weight_sync_bytes": out["weight_sync/bytes"], **out} if self.rank0 else {}
-            if self.rank0:  # restarted engines the push reached serve again
-                self.rollout.admit_reconnected({l.url for l in self.weight_sync.links if l.failed is None})
-        else:  # disk: rank 0 writes the export while the engines generate
-            gen = export_weights(self.c)
-            out = rank0_call(lambda: self.rollout.push_weights(gen, self.version), others=lambda: drain(gen))
-        return (out or {}) | {"timing/weight_sync_s": time.perf_counter() - t0}
-
-    def _reconnect_restarted(self) -> None:
-        """Collective: rebuild the update groups of engines restarted since the last push."""
-        pairs = broadcast_object(self.rollout.take_reconnects() if self.rank0 else None)
-        from sao_megatron.rollout.weight_sync_distributed import WeightSyncError
-
-        for old, new in pairs:
-            try:  # raised on every rank alike (rank 0's verdict is shared): the engine stays out
-                self.weight_sync.reconnect(old if self.rank0 else None, new if self.rank0 else None)
-            except WeightSyncError as exc:
-                log.error("restarted engine %s could not rejoin the weight sync: %s", new, exc)
+        self.rollout = self.publisher.start(
+            lambda: build_rollout_side(self.cfg, self.c.task, mode=self.c.mode, run_dir=self.run_dir),
+            (state or {}).get("scheduler"))
 
     # ------------------------------------------------------------------ checkpoints
     def _should_save(self) -> bool:
@@ -252,7 +217,8 @@ class Trainer:
         if path is None:
             return None
         state = self.state.restore(path, self.c.models())
-        self.step, self.version, self.guard.streak = state["step"], state["version"], state["nan_streak"]
+        self.step, self.guard.streak = state["step"], state["nan_streak"]
+        self.publisher.restore(state["version"])
         if self.c.baseline is not None:
             self.c.baseline.load_state_dict(state["baseline"])
         return state
@@ -273,8 +239,7 @@ class Trainer:
             signal.signal(sig, handler)
 
     def close(self) -> None:
-        if self.weight_sync is not None:
-            self.weight_sync.close()
+        self.publisher.close()
         if self.rollout is not None:
             self.rollout.close()
         if self.logger is not None:

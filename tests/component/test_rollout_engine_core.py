@@ -123,6 +123,31 @@ def test_abort_returns_partial_then_resubmit(runner, tiny_dirs):  # noqa: F811
     assert_close(logprobs_of(replies["x"]) + logprobs_of(replies["x2"]), ref)
 
 
+def test_abort_in_the_waiting_queue_answers_as_sglang_does(runner):
+    """SGLang answers a request aborted in its waiting queue without prompt_tokens, cached_tokens or
+    routed_experts (``tokenizer_manager._handle_abort_req``); a retracted request keeps its tokens. The
+    embedded engine answers alike, and our parser takes both replies as aborts."""
+    from sao_megatron.rollout.protocol import parse_generate_reply
+
+    core = EngineCore(runner, max_running=1)
+    replies: dict = {}
+    sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    core.add(make_request("run", [7, 8, 9], sp, replies, routing=True))
+    core.add(make_request("queued", [1, 2], sp, replies, routing=True))  # max_running=1: it waits
+    for _ in range(3):
+        core.step()
+    core.abort("queued")
+    core.pause("retract")  # "run" goes back to the waiting queue with its 4 tokens (prefill + 3 decodes)
+    core.abort("run")
+    for rid, tokens, prompt in (("queued", 0, 2), ("run", 4, 3)):
+        meta = replies[rid]["meta_info"]
+        assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+        assert not {"prompt_tokens", "cached_tokens", "routed_experts"} & meta.keys()
+        assert len(replies[rid]["output_ids"]) == tokens
+        res = parse_generate_reply(replies[rid], rid=rid, engine_url="", latency_s=0.0, prompt_len=prompt)
+        assert res.finish_reason == "abort" and res.prompt_tokens == prompt and len(res.output_ids) == tokens
+
+
 def test_held_while_paused_and_max_new_zero(runner):
     core = EngineCore(runner)
     replies: dict = {}

@@ -243,6 +243,7 @@ def test_disk_weight_sync_push(engines, tiny_dirs, tmp_path):  # noqa: F811
             loop = asyncio.get_running_loop()
             sync = DiskWeightSync(client=client, sync_root=tmp_path, template_dir=tiny_dirs["base"], keep_last=1,
                                   max_shard_bytes=50_000, collective=False, api_key=API_KEY)
+            await asyncio.to_thread(sync.connect, client.engine_urls, is_sender=True)  # how each engine holds weights
 
             def paused(update):  # the sync runs off the loop; its engine calls run on the client's loop
                 asyncio.run_coroutine_threadsafe(update(), loop).result()

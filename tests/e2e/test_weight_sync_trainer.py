@@ -21,9 +21,9 @@ CONFIG = REPO / "configs" / "experiments" / "tiny_cpu.yaml"
 pytestmark = pytest.mark.e2e
 
 
-def sync_run(tmp_path, nproc: int, *overrides: str) -> dict:
+def sync_run(tmp_path, nproc: int, *overrides: str, external: bool = False) -> dict:
     out = tmp_path / f"sync{nproc}.json"
-    sets = [a for o in overrides for a in ("--set", o)]
+    sets = [a for o in overrides for a in ("--set", o)] + (["--external"] if external else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", str(SCRIPT),
            str(CONFIG), str(out), *sets]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
@@ -33,7 +33,8 @@ def sync_run(tmp_path, nproc: int, *overrides: str) -> dict:
 
 
 def check(r: dict, num_senders: int) -> None:
-    assert r["version"] == 1 and r["engine_versions"] == ["1", "1"]
+    assert r["version"] == 2 and r["engine_versions"] == ["2", "2"]
+    assert r["client_version"] == 2 and r["healthy_after"] == 2, r  # health() keeps engines serving v2
     first, second = r["first"], r["second"]
     assert first["weight_sync/verified"] == 1 and second["weight_sync/verified"] == 0
     assert first["weight_sync/failed_engines"] == 0 and first["weight_sync/num_senders"] == num_senders
@@ -43,6 +44,29 @@ def check(r: dict, num_senders: int) -> None:
 
 def test_tp1_trainer_to_two_engines(tmp_path):
     check(sync_run(tmp_path, 1), num_senders=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["distributed", "disk"])
+def test_engines_reached_by_url_keep_serving_across_pushes(tmp_path, sync):
+    """rollout.engine=sglang (servers reached by URL, started from their own weights): every push of
+    either transport advances the version the client expects, so the health probe an episode retry
+    makes keeps the engines that took it (before the publisher, a distributed push left the client
+    expecting version 0 and health() took every engine out)."""
+    r = sync_run(tmp_path, 1, f"rollout.weight_sync={sync}", external=True)
+    assert r["version"] == r["client_version"] == 2 and r["engine_versions"] == ["2", "2"], r
+    assert r["healthy_after"] == 2, r
+    assert r["first"]["weight_sync/verified"] == 1, r["first"]
+
+
+@pytest.mark.slow
+def test_bf16_weights_verify_against_the_engines_holding(tmp_path):
+    """bf16 parameters: the engine holds them in its own dtype (the embedded engine: float32) and its
+    checksums are of that; the sync compares like with like and verifies (before: 45 tensors differed
+    and the first push stopped with WeightMismatchError)."""
+    r = sync_run(tmp_path, 1, "model.params_dtype=bf16")
+    assert r["first"]["weight_sync/verified"] == 1 and r["first"]["weight_sync/unverified_engines"] == 0, r
+    assert r["healthy_after"] == 2, r
 
 
 @pytest.mark.slow

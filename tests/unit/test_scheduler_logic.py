@@ -659,12 +659,16 @@ def test_a_failed_update_is_not_hidden_by_a_failed_continue():
 
 @pytest.mark.parametrize("engines_left", [0, 1])
 def test_engines_that_all_die_during_a_push_leave_the_weights_recorded(tmp_path, engines_left):
-    """RolloutSide.paused: the last engines die during the push (pause fails with EngineUnavailable
+    """WeightPublisher's pause: the last engines die during the push (pause fails with EngineUnavailable
     and none is healthy): like engines already down before it, the push records the weights for
     readmission and returns, so the next batch waits for an engine and ends in NoEngineError rather
     than a raw EngineUnavailable. With an engine still healthy the error is a real one and is raised."""
+    from types import SimpleNamespace
+
+    from sao_megatron.config import ExperimentConfig
     from sao_megatron.config.schema import DataConfig, RolloutConfig
     from sao_megatron.rollout.recovery import CurrentWeights
+    from sao_megatron.training.publisher import WeightPublisher
     from sao_megatron.training.rollout_side import RolloutSide
 
     class DiesOnPause(FakeClient):
@@ -675,22 +679,25 @@ def test_engines_that_all_die_during_a_push_leave_the_weights_recorded(tmp_path,
 
     side = RolloutSide(rollout=RolloutConfig(), scheduler=SchedulerConfig(), data=DataConfig(), task=None,
                        mode="single", group_size=1, run_dir=tmp_path, template_dir=tmp_path)
+    pub = WeightPublisher(ExperimentConfig(), None, tmp_path, rank0=True)
     try:
         side.client = DiesOnPause()
+        pub.served = CurrentWeights(tmp_path / "weights" / "v000000", 0)
         side.scheduler = make(side.client)
-        side.weights = CurrentWeights(tmp_path / "weights" / "v000000", 0)
+        side.scheduler._served = pub.served  # the one record of the version, as WeightPublisher.start wires it
+        pub.rollout, pub.disk = side, SimpleNamespace(sync_root=tmp_path / "weights")
         loaded = []
 
         async def update():
             loaded.append(True)
         if engines_left:
             with pytest.raises(EngineUnavailable):
-                side.paused(3)(update)
-            assert side.weights.version == 0 and side.scheduler.version == 0
+                pub._paused(3)(update)
+            assert pub.version == 0 and side.scheduler.version == 0
         else:
-            side.paused(3)(update)
-            assert side.weights.version == 3 and side.scheduler.version == 3
-            assert side.weights.path == tmp_path / "weights" / "v000003"
+            pub._paused(3)(update)
+            assert pub.version == 3 and side.scheduler.version == 3
+            assert pub.served.path == tmp_path / "weights" / "v000003"
         assert not loaded  # no engine loaded anything
     finally:
         side.bridge.close()

@@ -251,16 +251,30 @@ class EngineCore:
         self.paused = None
 
     def abort(self, rid: str, message: str = "aborted by /abort_request") -> None:
-        for req in [r for r in self.running if r.rid == rid] + [r for r in self.waiting if r.rid == rid]:
-            if req in self.waiting:
-                self.waiting.remove(req)
+        for req in [r for r in self.running if r.rid == rid]:
             self._finish(req, {"type": "abort", "message": message})
+        for req in [r for r in self.waiting if r.rid == rid]:
+            self.waiting.remove(req)
+            self._finish_queued(req)
 
     def abort_all(self, message: str = "aborted by /abort_request") -> None:
-        pending = list(self.running) + list(self.waiting)
+        running, waiting = list(self.running), list(self.waiting)
         self.waiting.clear()
-        for req in pending:
+        for req in running:
             self._finish(req, {"type": "abort", "message": message})
+        for req in waiting:
+            self._finish_queued(req)
+
+    def _finish_queued(self, req: Request) -> None:
+        """SGLang answers a request aborted in its waiting queue from the tokenizer manager's state
+        (``tokenizer_manager.py:_handle_abort_req``): no prompt_tokens, cached_tokens or routed_experts,
+        and the message "Abort in waiting queue"."""
+        req.cache = None
+        self.stats["aborted"] += 1
+        reply = self.reply(req, {"type": "abort", "message": "Abort in waiting queue"})
+        for key in ("prompt_tokens", "cached_tokens", "routed_experts"):
+            reply["meta_info"].pop(key, None)
+        req.done(reply)
 
     def num_pending(self) -> int:
         return len(self.running) + len(self.waiting)
