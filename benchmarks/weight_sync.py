@@ -5,13 +5,15 @@
 For random Qwen3-MoE-shaped checkpoints of about each size (fp32), with one embedded engine
 serving the model, prints side by side (best of ``--reps``):
   - ``disk``: ``DiskWeightSync.push`` (write the safetensors parts + index, the engine loads them
-    into its live parameters via ``/update_weights_from_disk``);
-  - ``disk floor``: ``safetensors.torch.save_file`` of the same tensors + ``load_file`` back;
+    into its live parameters via ``/update_weights_from_disk`` inside an update session);
+  - ``disk floor``: the raw bytes written to one file and read back into preallocated tensors
+    (no header, no serialisation, no HTTP, no engine);
   - ``dist``: ``DistributedWeightSync.push`` (flattened buckets over a gloo update group with the
     announcements over HTTP, loaded into the engine's parameters; checksums off);
-  - ``dist floor``: a bare gloo broadcast of the same buckets to a second process;
-and the ratios floor/sync (targets: disk >= 0.5, distributed >= 0.7). Floors are timed before and
-after the syncs (the faster kept), so a busy machine does not favour either side by ordering.
+  - ``dist floor``: the same buckets copied into one buffer each (the flattened format's own
+    copy) and broadcast over gloo into receive buffers allocated once in a second process;
+and the ratios floor/sync (targets: disk >= 0.5, distributed >= 0.7). Each rep times the four
+back to back (floor, sync, floor, sync), so a load spike on a busy machine hits both sides alike.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from sao_megatron.rollout.launch import LocalEngines, free_port
 from sao_megatron.rollout.update_group import flatten_bucket, init_custom_process_group
@@ -54,74 +56,99 @@ def make_checkpoint(out: Path, params_m: float) -> list[tuple[str, torch.Tensor]
     return tensors
 
 
-def best(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
-def disk_floor(tensors, root: Path, reps: int) -> float:
+def raw_disk_floor(tensors, root: Path, dests: list[torch.Tensor]) -> float:
+    """The bytes written to one file (no header, no serialisation) and read back into ``dests``."""
+    path = root / "floor.bin"
+
     def once():
-        path = root / "floor.safetensors"
-        save_file(dict(tensors), str(path))
-        load_file(str(path))
+        with open(path, "wb") as fh:
+            for _, t in tensors:
+                fh.write(t.numpy().data.cast("B"))
+        with open(path, "rb") as fh:
+            for d in dests:
+                fh.readinto(d.numpy().data.cast("B"))
         path.unlink()
-    return best(once, reps)
+    return timed(once)
 
 
 def _receiver(port: int, sizes: list[int], reps: int) -> None:
+    """The floor's other end: ``reps`` rounds of every bucket into buffers allocated once."""
     group = init_custom_process_group(backend="gloo", master_address="127.0.0.1", master_port=port, world_size=2,
                                       rank=1, group_name="floor")
+    bufs = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
     for _ in range(reps):
-        for n in sizes:
-            torch.distributed.broadcast(torch.empty(n, dtype=torch.uint8), src=0, group=group)
-
-
-def dist_floor(tensors, bucket_bytes: int, reps: int) -> float:
-    bufs = [flatten_bucket([t for _, t in b]) for b in _buckets(tensors, bucket_bytes)]
-    port = free_port()
-    child = mp.get_context("spawn").Process(target=_receiver, args=(port, [b.numel() for b in bufs], reps))
-    child.start()
-    group = init_custom_process_group(backend="gloo", master_address="127.0.0.1", master_port=port, world_size=2,
-                                      rank=0, group_name="floor")
-
-    def once():
-        for b in bufs:  # the sync flattens each bucket too: include it
-            torch.distributed.broadcast(flatten_bucket([b]), src=0, group=group)
-    t = best(once, reps)
-    child.join(60)
+        for buf in bufs:
+            torch.distributed.broadcast(buf, src=0, group=group)
+    # A gloo group alive at interpreter exit aborts the process ~half the time ("terminate called
+    # without an active exception", exit code -6): its worker threads are torn down unjoined.
     torch.distributed.destroy_process_group(group)
-    return t
+
+
+class GlooFloor:
+    """The flattened-bucket protocol's own work, bare: each bucket's bytes copied into one buffer
+    (allocated once) and broadcast over gloo to a second process."""
+
+    def __init__(self, tensors, bucket_bytes: int, reps: int):
+        self.parts = [[t.reshape(-1).view(torch.uint8) for _, t in b] for b in _buckets(tensors, bucket_bytes)]
+        self.bufs = [flatten_bucket(p) for p in self.parts]
+        port = free_port()
+        self.child = mp.get_context("spawn").Process(target=_receiver,
+                                                     args=(port, [b.numel() for b in self.bufs], reps))
+        self.child.start()
+        self.group = init_custom_process_group(backend="gloo", master_address="127.0.0.1", master_port=port,
+                                               world_size=2, rank=0, group_name="floor")
+
+    def once(self) -> float:
+        def send():
+            for parts, buf in zip(self.parts, self.bufs):
+                torch.cat(parts, out=buf)
+                torch.distributed.broadcast(buf, src=0, group=self.group)
+        return timed(send)
+
+    def close(self) -> None:
+        self.child.join(60)
+        torch.distributed.destroy_process_group(self.group)
+        if self.child.exitcode != 0:
+            raise RuntimeError(f"the floor's receiver process exited with {self.child.exitcode}")
 
 
 def run_size(params_m: float, reps: int, bucket_bytes: int, root: Path) -> dict[str, float]:
+    """Floors and syncs interleaved rep by rep (a load spike hits both sides alike); best of each."""
     from sao_megatron.rollout.client import RolloutClient
     from sao_megatron.training.async_bridge import AsyncBridge
 
     tensors = make_checkpoint(root / "model", params_m)
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
     row = {"params_m": sum(t.numel() for _, t in tensors) / 1e6, "mb": nbytes / 1e6}
-    floors = [(disk_floor(tensors, root, reps), dist_floor(tensors, bucket_bytes, reps))]
-    bridge = AsyncBridge()
+    dests = [torch.zeros_like(t) for _, t in tensors]
+    times: dict[str, list[float]] = {"disk_floor_s": [], "disk_s": [], "dist_floor_s": [], "dist_s": []}
+    bridge, version = AsyncBridge(), iter(range(1, 1000))
+    floor = GlooFloor(tensors, bucket_bytes, reps)
     with LocalEngines(root / "model", 1, log_dir=root / "logs", extra_args=["--num-threads", "1"]) as engines:
         client = RolloutClient(engines.urls)
         disk = DiskWeightSync(client=client, sync_root=root / "sync", template_dir=root / "model", collective=False,
                               verify=False, keep_last=1)
-        version = iter(range(1, 1000))
-        row["disk_s"] = best(lambda: disk.push(tensors, next(version), paused=lambda fn: bridge.run(fn())), reps)
         dist = DistributedWeightSync(backend="gloo", bucket_bytes=bucket_bytes, verify=False,
                                      master_address="127.0.0.1")
         dist.connect(engines.urls, is_sender=True)
-        row["dist_s"] = best(lambda: dist.push(tensors, next(version)), reps)
+        for _ in range(reps):
+            times["disk_floor_s"].append(raw_disk_floor(tensors, root, dests))
+            times["disk_s"].append(timed(lambda: disk.push(tensors, next(version),
+                                                           paused=lambda fn: bridge.run(fn()))))
+            times["dist_floor_s"].append(floor.once())
+            times["dist_s"].append(timed(lambda: dist.push(tensors, next(version))))
         dist.close()
         disk.close()
         bridge.run(client.aclose())
     bridge.close()
-    floors.append((disk_floor(tensors, root, reps), dist_floor(tensors, bucket_bytes, reps)))
-    row["disk_floor_s"], row["dist_floor_s"] = min(f[0] for f in floors), min(f[1] for f in floors)
+    floor.close()
+    row |= {k: min(v) for k, v in times.items()}
     row["disk_ratio"] = row["disk_floor_s"] / row["disk_s"]
     row["dist_ratio"] = row["dist_floor_s"] / row["dist_s"]
     return row

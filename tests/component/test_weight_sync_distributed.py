@@ -132,20 +132,20 @@ def test_session_rules_are_sglangs(engines):
 def test_corrupted_bytes_stop_with_the_tensor_name(engines, tiny_dirs, monkeypatch):  # noqa: F811
     import sao_megatron.rollout.weight_sync_distributed as wsd
 
-    real = wsd.flatten_bucket
+    real = wsd.DistributedWeightSync._flat_bucket
 
-    def corrupt(tensors):  # flips one byte of lm_head in transit (a receive-buffer race, say)
-        buf = real(tensors)
-        if any(t.shape == (128, 32) for t in tensors):
+    def corrupt(self, bucket):  # flips one byte of lm_head in transit (a receive-buffer race, say)
+        buf = real(self, bucket)
+        if any(t.shape == (128, 32) for _, t in bucket):
             buf[7] ^= 0xFF
         return buf
-    monkeypatch.setattr(wsd, "flatten_bucket", corrupt)
+    monkeypatch.setattr(wsd.DistributedWeightSync, "_flat_bucket", corrupt)
     sync, _ = make_sync(bucket_bytes=40_000)
     sync.connect(engines.urls, is_sender=True)
     try:
         with pytest.raises(WeightMismatchError, match=r"lm_head\.weight|embed_tokens\.weight"):
             sync.push(other_tensors(tiny_dirs), 6)
-        monkeypatch.setattr(wsd, "flatten_bucket", real)
+        monkeypatch.setattr(wsd.DistributedWeightSync, "_flat_bucket", real)
         sync.reconnect(engines.urls[1])  # rebuilt groups; the next push is verified again
         assert sync.needs_verify
         metrics = sync.push(other_tensors(tiny_dirs), 7)

@@ -33,6 +33,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for uvicorn's ``sockets=``.
+
+    The protocol must be named: asyncio disables Nagle only on connections whose ``proto`` is
+    IPPROTO_TCP, and with Nagle on, every keep-alive reply with a body waits ~40 ms for the
+    client's delayed ACK (each weight-update call, each /generate).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
@@ -52,9 +66,7 @@ def run(args: argparse.Namespace) -> int:
                       seed=args.seed, logprob_mode=args.logprob_mode)
     core.start()
     # Bind first (port 0 = a free port chosen by the OS, no race), then report it.
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    sock = listen_socket(args.host, args.port)
     port = sock.getsockname()[1]
     app = EngineServer(core, api_key=args.api_key, host=args.host, port=port,
                        enable_routed_experts=args.enable_return_routed_experts,

@@ -88,7 +88,13 @@ class EngineWeights:
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.snapshot: dict[str, torch.Tensor] | None = None
         self._slots: dict[str, Slot] | None = None
+        self._flat: dict[str, torch.Tensor] = {}
         self._slots_model = None
+        # Reused for every flattened bucket: a fresh buffer per push costs a page fault per 4 KiB
+        # (measured 50-80 ms for 44 MB against 26 ms for the broadcast itself). Its views live until
+        # ``load`` returns; the update lock serialises receive + load, so the next receive never
+        # overwrites tensors still to be loaded.
+        self._recv_buf = torch.empty(0, dtype=torch.uint8)
 
     # ---------------------------------------------------------------- update groups
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -129,9 +135,13 @@ class EngineWeights:
         torch_dtypes = [torch_dtype(d) for d in dtypes]
         if load_format == FLATTENED_BUCKET:
             sizes = [torch.Size(s).numel() * d.itemsize for d, s in zip(torch_dtypes, shapes)]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8)
+            buf = self._bucket_buffer(sum(sizes))
             unflatten_bucket(buf, torch_dtypes, shapes)  # layout checks before joining the broadcast
-            dist.broadcast(buf, src=0, group=group)
+            try:
+                dist.broadcast(buf, src=0, group=group)
+            except BaseException:  # an abandoned collective may still write into it: never reuse it
+                self._recv_buf = torch.empty(0, dtype=torch.uint8)
+                raise
             return list(zip(names, unflatten_bucket(buf, torch_dtypes, shapes)))
         if load_format is not None:
             raise ValueError(f"unsupported load_format {load_format!r} (None or {FLATTENED_BUCKET!r})")
@@ -141,10 +151,20 @@ class EngineWeights:
             handle.wait()
         return out
 
+    def _bucket_buffer(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the reused receive buffer (grown to the largest bucket seen)."""
+        if self._recv_buf.numel() < nbytes:
+            self._recv_buf = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
+            self._recv_buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self._recv_buf[:nbytes]
+
     # ---------------------------------------------------------------- loading
     def slots(self) -> dict[str, Slot]:
         if self._slots is None or self._slots_model is not self.runner.model:
-            self._slots, self._slots_model = checkpoint_slots(self.runner.model), self.runner.model
+            model = self.runner.model
+            self._slots, self._slots_model = checkpoint_slots(model), model
+            # flat views of the live parameters, built once per model (state_dict walks every module)
+            self._flat = {n: p.data.view(-1) for n, p in model.state_dict(keep_vars=True).items()}
         return self._slots
 
     def check_loadable(self, named: NamedTensors) -> None:
@@ -160,10 +180,10 @@ class EngineWeights:
     @torch.no_grad()
     def load(self, named: NamedTensors) -> None:
         """(engine thread) Copy checkpoint tensors into the live parameters, converting to their dtype."""
-        params, slots = self.runner.model.state_dict(keep_vars=True), self.slots()
+        slots = self.slots()
         for name, tensor in named:
             slot = slots[name]
-            flat = params[slot.param].data.view(-1)
+            flat = self._flat[slot.param]
             if slot.index is None:
                 flat[slot.start:slot.start + tensor.numel()].copy_(tensor.reshape(-1))
             else:
