@@ -48,7 +48,19 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def pytest_addoption(parser):
+    parser.addoption("--reverse-order", action="store_true",
+                     help="run the selected tests in reverse order (CI: proves no test depends on an earlier one)")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping of tests by shared fixtures
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse-order"):
+        items.reverse()
+    _skip_gpu_tests(items)
+
+
+def _skip_gpu_tests(items):
     try:
         has_gpu = torch.cuda.is_available()
     except Exception:  # pragma: no cover - a broken CUDA setup means no GPU either
