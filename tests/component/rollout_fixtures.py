@@ -131,14 +131,6 @@ class ContractRecorder:
             raise
 
 
-@pytest.fixture(scope="module")
-def engine_processes(tiny_dirs, tmp_path_factory):
-    """Two embedded engines on the base weights, with an API key and routed experts enabled."""
-    with LocalEngines(tiny_dirs["base"], 2, api_key=API_KEY, log_dir=tmp_path_factory.mktemp("engine-logs"),
-                      extra_args=["--enable-return-routed-experts", "--max-running-requests", "8"]) as eng:
-        yield eng
-
-
 def revived(engines: LocalEngines) -> LocalEngines:
     """The module's engines with every killed one restarted (from the model it started with).
 
@@ -160,13 +152,6 @@ def reset_weights(engines: LocalEngines, model_dir: Path, *, api_key: str | None
         reply = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(model_dir), "weight_version": "0"},
                            headers=headers, timeout=120, trust_env=False).json()
         assert reply["success"], reply
-
-
-@pytest.fixture
-def engines(engine_processes, tiny_dirs):
-    """``engine_processes``, every engine alive (see ``revived``) and on the base weights at version 0."""
-    reset_weights(revived(engine_processes), tiny_dirs["base"])
-    return engine_processes
 
 
 def poll_until(predicate, timeout: float = 20.0, interval: float = 0.005, what: str = "condition"):

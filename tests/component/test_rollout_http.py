@@ -18,12 +18,9 @@ from rollout_fixtures import (  # noqa: F401 - fixtures
     TOPK,
     ContractRecorder,
     assert_close,
-    engine_processes,
-    engines,
     hf_reference,
     hf_routed_experts,
     poll_until,
-    tiny_dirs,
 )
 
 from sao_megatron.rollout import EngineReplyError, EngineUnavailable, RolloutClient, SamplingParams

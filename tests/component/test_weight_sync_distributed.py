@@ -15,31 +15,16 @@ import time
 import httpx
 import pytest
 import torch
-from rollout_fixtures import API_KEY, assert_close, hf_reference, reset_weights, revived, tiny_dirs  # noqa: F401
+from rollout_fixtures import API_KEY, assert_close, hf_reference
 
 from sao_megatron.rollout import contract
 from sao_megatron.rollout.client import RolloutClient
-from sao_megatron.rollout.launch import LocalEngines
 from sao_megatron.rollout.types import SamplingParams
 from sao_megatron.rollout.weight_check import WeightMismatchError
 from sao_megatron.rollout.weight_sync_distributed import DistributedWeightSync, WeightSyncError
 
 pytestmark = pytest.mark.component
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
-
-
-@pytest.fixture(scope="module")
-def engine_processes(tiny_dirs, tmp_path_factory):  # noqa: F811
-    with LocalEngines(tiny_dirs["base"], 2, api_key=API_KEY, log_dir=tmp_path_factory.mktemp("wsync-logs"),
-                      extra_args=["--weight-update-timeout-s", "20"]) as eng:
-        yield eng
-
-
-@pytest.fixture
-def engines(engine_processes, tiny_dirs):  # noqa: F811
-    """Every engine alive and on the base weights at version 0: no test depends on an earlier one."""
-    reset_weights(revived(engine_processes), tiny_dirs["base"])
-    return engine_processes
 
 
 _SYNC_IDS = itertools.count()
