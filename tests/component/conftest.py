@@ -16,7 +16,7 @@ def megatron_ctx():
     from sao_megatron.parallel.bootstrap import destroy, init_distributed
     from sao_megatron.parallel.cpu_support import cpu_shims_scope
 
-    with cpu_shims_scope(force=True):
+    with cpu_shims_scope():  # a no-op with a GPU, where init_distributed picks CUDA and needs no shims
         ctx = init_distributed(ParallelConfig(), seed=1, environ={})
         try:
             yield ctx
