@@ -376,3 +376,37 @@ SHIMS: dict[str, Callable[[], None]] = {
     "dsa_hadamard": _shim_dsa_hadamard,
 }
 """Every shim by name, applied in this order."""
+
+
+# --------------------------------------------------------------------------- undo (tests only)
+def _patched_objects() -> tuple[object, ...]:
+    """Every object a shim above sets attributes on (extend it with each new shim's target)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.experimental_attention_variant import dsa
+    from megatron.core.transformer.moe import token_dispatcher
+
+    return (torch.cuda, torch.cuda.random, mrandom, token_dispatcher, mappings, DistributedOptimizer, dsa)
+
+
+@contextlib.contextmanager
+def cpu_shims_scope(*, skip: Collection[str] = (), force: bool = False):
+    """``apply_cpu_shims()`` for the block only: on exit the device mode is left and every patched
+    attribute is put back, so the process is as before (tests running Megatron in the pytest process;
+    apply_cpu_shims alone never undoes itself, and every later test would run under CudaToCpuMode).
+    """
+    saved = [(obj, dict(vars(obj))) for obj in _patched_objects()]
+    depth = torch._C._len_torch_function_stack()
+    try:
+        apply_cpu_shims(skip=skip, force=force)
+        yield
+    finally:
+        while torch._C._len_torch_function_stack() > depth:  # modes entered in the block, device mode too
+            torch._C._pop_torch_function_stack()
+        for obj, before in saved:
+            for name in set(vars(obj)) - set(before):
+                delattr(obj, name)
+            for name, value in before.items():
+                if vars(obj).get(name) is not value:
+                    setattr(obj, name, value)

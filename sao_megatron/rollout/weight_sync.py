@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import httpx
 import torch
 
+from sao_megatron.config.schema import RolloutConfig
 from sao_megatron.rollout.weight_check import EngineHolding, expected_checksums
 from sao_megatron.rollout.weight_sync_distributed import (
     DistributedWeightSync, Paused, WeightSyncError, _World, check_engine)
@@ -363,7 +364,7 @@ class Fp8BlockSync:
         return getattr(self.inner, name)
 
 
-def _build_transport(rollout_cfg, *, client, run_dir, template_dir, collective, world_group,
+def _build_transport(rollout_cfg: RolloutConfig, *, client, run_dir, template_dir, collective, world_group,
                      checkpoint_dtype) -> WeightSync:
     kind = "distributed" if rollout_cfg.weight_sync == "nccl" else rollout_cfg.weight_sync
     strict = rollout_cfg.engine == "embedded"  # it reports checksums under the exported HF names

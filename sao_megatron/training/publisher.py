@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sao_megatron.config import ExperimentConfig
+from sao_megatron.config.schema import RolloutConfig
 from sao_megatron.models.families.hf_config import dtype_name
 from sao_megatron.parallel.collectives import broadcast_object, rank0_call
 from sao_megatron.rollout.recovery import CurrentWeights, PendingReconnects, disk_readmit
@@ -82,7 +83,7 @@ class WeightPublisher:
     def _start_rank0(self, build_rollout, gen, scheduler_state) -> None:
         from sao_megatron.rollout.weight_sync import DiskWeightSync, Fp8BlockSync
 
-        r = self.cfg.rollout
+        r: RolloutConfig = self.cfg.rollout
         self.rollout = build_rollout()
         self.disk = DiskWeightSync(client=None, sync_root=self.rollout.weights_root,
                                    template_dir=self.rollout.template_dir, collective=False,

@@ -131,12 +131,27 @@ class ContractRecorder:
             raise
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_dirs, tmp_path_factory):
-    """Two embedded engines on the base weights, with an API key and routed experts enabled."""
-    with LocalEngines(tiny_dirs["base"], 2, api_key=API_KEY, log_dir=tmp_path_factory.mktemp("engine-logs"),
-                      extra_args=["--enable-return-routed-experts", "--max-running-requests", "8"]) as eng:
-        yield eng
+def revived(engines: LocalEngines) -> LocalEngines:
+    """The module's engines with every killed one restarted (from the model it started with).
+
+    Failure tests kill engines; restarting them before the next test means no test has to run last.
+    A restart happens only after such a test, so in file order it costs nothing.
+    """
+    for i in range(engines.num_engines):
+        if not engines.alive(i):
+            engines.restart(i)
+    return engines
+
+
+def reset_weights(engines: LocalEngines, model_dir: Path, *, api_key: str | None = API_KEY) -> None:
+    """Every engine serves ``model_dir`` at weight version 0, as started, whatever an earlier test pushed."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    for url in engines.urls:
+        reply = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(model_dir), "weight_version": "0"},
+                           headers=headers, timeout=120, trust_env=False).json()
+        assert reply["success"], reply
 
 
 def poll_until(predicate, timeout: float = 20.0, interval: float = 0.005, what: str = "condition"):

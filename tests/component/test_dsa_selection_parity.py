@@ -15,8 +15,6 @@ import sys
 import pytest
 import torch
 
-from sao_megatron.config import ParallelConfig
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "convert_scripts"))
 from mla_fixtures import SHAPES, write_hf_dir, write_hub_dir  # noqa: E402
 
@@ -29,12 +27,9 @@ DSV32 = {k: v for k, v in SHAPES[NAME].items() if k != "indexer_types"} | {
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    from sao_megatron.parallel.bootstrap import destroy, init_distributed
-
-    ctx = init_distributed(ParallelConfig(), seed=1, environ={})
-    yield ctx
-    destroy()
+def ctx(megatron_ctx):
+    """Megatron in this process for this module only (see conftest.megatron_ctx)."""
+    return megatron_ctx
 
 
 def megatron_selection(hf_dir, ctx, tokens):

@@ -12,19 +12,16 @@ import pathlib
 import pytest
 import torch
 
-from sao_megatron.config import ParallelConfig, load_config
+from sao_megatron.config import load_config
 
 pytestmark = pytest.mark.component
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    from sao_megatron.parallel.bootstrap import destroy, init_distributed
-
-    ctx = init_distributed(ParallelConfig(), seed=1, environ={})
-    yield ctx
-    destroy()
+def ctx(megatron_ctx):
+    """Megatron in this process for this module only (see conftest.megatron_ctx)."""
+    return megatron_ctx
 
 
 def test_tiny_glm5_actor_backward_and_critic_values(ctx):

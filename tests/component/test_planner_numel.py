@@ -72,12 +72,9 @@ def build(model: ModelConfig, ctx, *, critic: bool):
 
 
 @pytest.fixture(scope="module")
-def single_rank_ctx():
-    from sao_megatron.parallel.bootstrap import destroy, init_distributed
-
-    ctx = init_distributed(ParallelConfig(), seed=1, environ={})
-    yield ctx
-    destroy()
+def single_rank_ctx(megatron_ctx):
+    """Megatron in this process for this module only (see conftest.megatron_ctx)."""
+    return megatron_ctx
 
 
 @pytest.mark.component

@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-from sao_megatron.config import ModelConfig, ParallelConfig, load_config
+from sao_megatron.config import ModelConfig, load_config
 from sao_megatron.launch.planner import count_params
 
 from tests.component.test_planner_numel import local_group_numel
@@ -39,12 +39,9 @@ PUBLISHED = {"glm-5-744b-a40b": 743.9e9, "deepseek-v3-671b": 671.0e9}
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    from sao_megatron.parallel.bootstrap import destroy, init_distributed
-
-    ctx = init_distributed(ParallelConfig(), seed=1, environ={})
-    yield ctx
-    destroy()
+def ctx(megatron_ctx):
+    """Megatron in this process for this module only (see conftest.megatron_ctx)."""
+    return megatron_ctx
 
 
 @pytest.mark.parametrize("name", list(TINY))

@@ -18,11 +18,9 @@ from rollout_fixtures import (  # noqa: F401 - fixtures
     TOPK,
     ContractRecorder,
     assert_close,
-    engines,
     hf_reference,
     hf_routed_experts,
     poll_until,
-    tiny_dirs,
 )
 
 from sao_megatron.rollout import EngineReplyError, EngineUnavailable, RolloutClient, SamplingParams
@@ -262,7 +260,7 @@ def test_disk_weight_sync_push(engines, tiny_dirs, tmp_path):  # noqa: F811
     assert metrics["weight_sync/verified"] == 1  # the first push of the layout compared checksums
     assert_close(r.logprobs, hf_reference(tiny_dirs["other"], [8, 9, 10], r.output_ids, sp))
 
-def test_engine_killed_mid_request(engines):  # noqa: F811 - kills an engine: keep this test last in the module
+def test_engine_killed_mid_request(engines):  # noqa: F811 - kills an engine (the next test gets it back)
     async def run():
         async with client_for(engines.urls) as client:
             rid = "d" * 32

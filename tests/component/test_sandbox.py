@@ -122,7 +122,8 @@ def test_sandbox_reads_and_writes_its_own_files(mode):
 def test_sandbox_limits_time_cpu_memory_and_output(mode):
     res = run_python("import time; time.sleep(30)", limits=SandboxLimits(wall_s=1.0), isolation=mode)
     assert res.timed_out and not res.ok
-    res = run_python("while True: pass", limits=SandboxLimits(cpu_s=1, wall_s=10), isolation=mode)
+    # 1 s of CPU takes ~1 s wall alone but 10 s+ beside a CPU hog: the wall limit must stay far above it.
+    res = run_python("while True: pass", limits=SandboxLimits(cpu_s=1, wall_s=60), isolation=mode)
     assert not res.timed_out and res.returncode < 0  # killed by RLIMIT_CPU (SIGXCPU/SIGKILL)
     res = run_python("x = bytearray(2 * 1024**3)", limits=SandboxLimits(memory_mb=256), isolation=mode)
     assert res.returncode != 0 and "MemoryError" in res.stderr

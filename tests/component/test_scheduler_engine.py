@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rollout_fixtures import build_tiny_moe, hf_model
+from rollout_fixtures import build_tiny_moe, hf_model, revived
 
 from sao_megatron.config.schema import SchedulerConfig
 from sao_megatron.envs import ArithmeticTask, CharTokenizer, Env, StepResult
@@ -42,10 +42,16 @@ def ckpts(tmp_path_factory) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def engines(ckpts, tmp_path_factory):
+def engine_processes(ckpts, tmp_path_factory):
     with LocalEngines(ckpts[0], 2, log_dir=tmp_path_factory.mktemp("sched-engine-logs"),
                       extra_args=["--max-running-requests", "8"]) as eng:
         yield eng
+
+
+@pytest.fixture
+def engines(engine_processes):
+    """Every engine alive: the test that kills one does not have to run last."""
+    return revived(engine_processes)
 
 
 async def run_training(engines, ckpts, *, steps, mode="single", eta=1, partial="retract", group_size=1,
@@ -196,7 +202,7 @@ def test_multi_turn_observations_masked_and_turn_boundaries_right(engines, ckpts
 
 
 def test_engine_killed_mid_run_episodes_resume_on_the_healthy_engine(engines, ckpts):
-    """Runs last: kills engine 1 while it has requests open."""
+    """Kills engine 1 while it has requests open (the next test gets it back)."""
     victim = engines.urls[1]
 
     async def kill_when_busy(client):

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import time
 
 import httpx
 import pytest
 import torch
-from rollout_fixtures import API_KEY, assert_close, hf_reference, tiny_dirs  # noqa: F401 - fixture
+from rollout_fixtures import API_KEY, assert_close, hf_reference
 
 from sao_megatron.rollout import contract
 from sao_megatron.rollout.client import RolloutClient
-from sao_megatron.rollout.launch import LocalEngines
 from sao_megatron.rollout.types import SamplingParams
 from sao_megatron.rollout.weight_check import WeightMismatchError
 from sao_megatron.rollout.weight_sync_distributed import DistributedWeightSync, WeightSyncError
@@ -27,11 +27,7 @@ pytestmark = pytest.mark.component
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_dirs, tmp_path_factory):  # noqa: F811
-    with LocalEngines(tiny_dirs["base"], 2, api_key=API_KEY, log_dir=tmp_path_factory.mktemp("wsync-logs"),
-                      extra_args=["--weight-update-timeout-s", "20"]) as eng:
-        yield eng
+_SYNC_IDS = itertools.count()
 
 
 def other_tensors(tiny_dirs) -> list[tuple[str, torch.Tensor]]:  # noqa: F811
@@ -42,6 +38,8 @@ def other_tensors(tiny_dirs) -> list[tuple[str, torch.Tensor]]:  # noqa: F811
 
 def make_sync(**kw) -> tuple[DistributedWeightSync, list[tuple[str, dict]]]:
     """A sync whose every request body is checked against SGLang 0.5.23's io_struct (and recorded)."""
+    # Own group names per sync: a group an earlier test abandoned on an engine cannot collide with ours.
+    kw.setdefault("group_prefix", f"sao_wsync{next(_SYNC_IDS)}")
     sync = DistributedWeightSync(backend="gloo", api_key=API_KEY, master_address="127.0.0.1", timeout_s=20,
                                  **kw)
     calls: list[tuple[str, dict]] = []
@@ -62,6 +60,16 @@ def engine_logprobs(urls, prompt, sp):
                 "max_new_tokens": sp.max_new_tokens, "temperature": sp.temperature}, "return_logprob": True,
                 "rid": f"r{i}"}, f"r{i}", False, via_router=False) for i, u in enumerate(urls)]
     return asyncio.run(run())
+
+
+def push_other(engines, tiny_dirs, version: int) -> None:  # noqa: F811
+    """Serve the "other" weights on every engine (tests that check what engines serve after a push)."""
+    sync, _ = make_sync()
+    sync.connect(engines.urls, is_sender=True)
+    try:
+        sync.push(other_tensors(tiny_dirs), version)
+    finally:
+        sync.close()
 
 
 def versions(urls) -> list[str]:
@@ -97,11 +105,12 @@ def test_checksums_are_sglangs(engines, tiny_dirs):  # noqa: F811
     """Reference: sha256 of the raw bytes, first 8 bytes big-endian (SGLang's CPU tensor_hash)."""
     from safetensors.torch import load_file
 
+    push_other(engines, tiny_dirs, 5)
     reply = httpx.post(engines.urls[0] + "/weights_checker", json={"action": "checksum"}, headers=HEADERS).json()
     contract.check_control_request("/weights_checker", {"action": "checksum"})
     assert reply["success"] and len(reply["ranks"]) == 1
     sums = reply["ranks"][0]["checksums"]
-    served = load_file(tiny_dirs["other"] / "model.safetensors")  # the previous test's push
+    served = load_file(tiny_dirs["other"] / "model.safetensors")  # what this test pushed
     for name, t in served.items():
         ref = hashlib.sha256(t.contiguous().numpy().tobytes()).digest()[:8].hex()
         assert sums[name] == ref, name
@@ -157,6 +166,7 @@ def test_corrupted_bytes_stop_with_the_tensor_name(engines, tiny_dirs, monkeypat
 def test_refused_update_leaves_engine_out_until_reconnect(engines, tiny_dirs):  # noqa: F811
     """Engine 1 refuses mid-sync (its session was closed under it): the sync finishes on engine 0, the
     broken group is abandoned, and reconnect builds a new one so the next push reaches both."""
+    before = versions(engines.urls)
     sync, _ = make_sync(bucket_bytes=20_000)
     sync.connect(engines.urls, is_sender=True)
     real, seen = sync._send_bucket, []
@@ -169,7 +179,7 @@ def test_refused_update_leaves_engine_out_until_reconnect(engines, tiny_dirs):  
     sync._send_bucket = send
     try:
         metrics = sync.push(other_tensors(tiny_dirs), 11)
-        assert metrics["weight_sync/failed_engines"] == 1 and versions(engines.urls) == ["11", "7"]
+        assert metrics["weight_sync/failed_engines"] == 1 and versions(engines.urls) == ["11", before[1]]
         sync._send_bucket = real
         sync.reconnect(engines.urls[1])
         metrics = sync.push(other_tensors(tiny_dirs), 12)
@@ -184,6 +194,7 @@ def test_generate_batch_and_text_as_sglang(engines, tiny_dirs):  # noqa: F811
     text without a tokenizer is refused with SGLang's own message."""
     from sao_megatron.rollout.engine.batching import TEXT_REFUSED
 
+    push_other(engines, tiny_dirs, 5)
     url = engines.urls[0]
     sp = {"max_new_tokens": 5, "temperature": 0.7, "sampling_seed": 3}
     prompts = [[8, 9, 10], [4], [20, 21, 22, 23]]
@@ -205,7 +216,7 @@ def test_generate_batch_and_text_as_sglang(engines, tiny_dirs):  # noqa: F811
     assert r.status_code == 400 and "vocabulary" in r.text  # one bad prompt refuses the whole batch
 
 
-def test_engine_killed_during_sync(engines, tiny_dirs):  # noqa: F811 - kills an engine: keep last
+def test_engine_killed_during_sync(engines, tiny_dirs):  # noqa: F811 - kills an engine (revived for the next test)
     sync, _ = make_sync(bucket_bytes=20_000)
     sync.connect(engines.urls, is_sender=True)
     real, sent = sync._send_bucket, []

@@ -310,36 +310,76 @@ def test_floor_check_catches_an_upward_type_checking_import(monkeypatch):
 
 # ---------------------------------------------------------------- 7. every config field is read
 
-# Fields read only through a name table (Megatron's own field names copied by name) count as read
-# when the name appears as a string in the library; others must appear as an attribute access.
+# A field counts as read only where code loads it as an attribute of its own config object: in a file
+# that names the config class (its annotations/imports: where a variable of that type lives), or
+# through the root config's field holding it (``cfg.rollout.weight_sync_bucket_mb``). Fields copied
+# to Megatron by name count when a file naming the class iterates a module-level ``*_FIELDS`` table
+# listing them (``getattr(model, name) for name in _MLA_FIELDS``). A string or a keyword elsewhere is
+# not a read.
 _SCHEMA = LIB / "config" / "schema.py"
 
 
-def library_reads() -> set[str]:
-    """Attribute names accessed and string constants used anywhere in the library, except the
-    schema itself (a field's own definition and docstring are not a use of it)."""
-    names: set[str] = set()
-    for path in lib_files():
-        if path == _SCHEMA:
-            continue
-        for node in ast.walk(parse(path)):
-            if isinstance(node, ast.Attribute):
-                names.add(node.attr)
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                names.add(node.value)
-            elif isinstance(node, ast.keyword) and node.arg:
-                names.add(node.arg)
-    return names
-
-
-def unread_fields(reads: set[str]) -> list[str]:
+def schema_classes() -> dict[str, type]:
     from sao_megatron.config import schema
 
-    missing = []
-    for cls in vars(schema).values():
-        if isinstance(cls, type) and dataclasses.is_dataclass(cls):
-            missing += [f"{cls.__name__}.{f.name}" for f in dataclasses.fields(cls) if f.name not in reads]
-    return missing
+    return {n: c for n, c in vars(schema).items() if isinstance(c, type) and dataclasses.is_dataclass(c)}
+
+
+def holder_fields(classes: dict[str, type]) -> dict[str, set[str]]:
+    """Per config class, the fields of other configs holding it (ActorConfig -> {"actor"})."""
+    import typing
+
+    out: dict[str, set[str]] = {n: set() for n in classes}
+    for cls in classes.values():
+        for field, hint in typing.get_type_hints(cls).items():
+            for name, other in classes.items():
+                if hint is other or other in typing.get_args(hint):
+                    out[name].add(field)
+    return out
+
+
+def _name_tables(tree: ast.Module) -> set[str]:
+    """Strings of module-level ``*_FIELDS`` tuples/lists that the module iterates (for getattr by name)."""
+    tables = {node.targets[0].id: node.value for node in tree.body if isinstance(node, ast.Assign)
+              and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+              and node.targets[0].id.endswith("_FIELDS") and isinstance(node.value, (ast.Tuple, ast.List))}
+    iterated = {n.iter.id for n in ast.walk(tree) if isinstance(n, (ast.comprehension, ast.For))
+                and isinstance(n.iter, ast.Name) and n.iter.id in tables}
+    return {e.value for t in iterated for e in tables[t].elts if isinstance(e, ast.Constant)}
+
+
+def reads_in(source: str, classes: dict[str, type], holders: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Per config class, the field names one source file reads (the rules above)."""
+    tree = ast.parse(source)
+    loads = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load)]
+    tables = _name_tables(tree)
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        a.name.rsplit(".", 1)[-1] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names} | {
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}  # "X" hints
+    out = {}
+    for cname in classes:
+        named = cname in names
+        out[cname] = {n.attr for n in loads if named or (isinstance(n.value, ast.Attribute)
+                                                         and n.value.attr in holders[cname])}
+        out[cname] |= tables if named else set()
+    return out
+
+
+def library_reads() -> dict[str, set[str]]:
+    """Per config class, every field name the library reads (the schema's own definitions excluded)."""
+    classes = schema_classes()
+    holders = holder_fields(classes)
+    reads: dict[str, set[str]] = {n: set() for n in classes}
+    for path in lib_files():
+        if path != _SCHEMA:
+            for cname, found in reads_in(path.read_text(), classes, holders).items():
+                reads[cname] |= found
+    return reads
+
+
+def unread_fields(reads: dict[str, set[str]]) -> list[str]:
+    return [f"{name}.{f.name}" for name, cls in schema_classes().items() for f in dataclasses.fields(cls)
+            if f.name not in reads[name]]
 
 
 def test_every_config_field_is_read_by_the_library():
@@ -351,9 +391,26 @@ def test_every_config_field_is_read_by_the_library():
 
 def test_unread_field_detector_catches_a_field_nothing_reads():
     reads = library_reads()
-    assert "num_layers" in reads and "weight_sync_bucket_mb" in reads
-    reads.discard("weight_sync_bucket_mb")
+    assert "num_layers" in reads["ModelConfig"] and "weight_sync_bucket_mb" in reads["RolloutConfig"]
+    reads["RolloutConfig"].discard("weight_sync_bucket_mb")
     assert unread_fields(reads) == ["RolloutConfig.weight_sync_bucket_mb"]
+
+
+@pytest.mark.parametrize("source,read", [
+    ("def f(r: RolloutConfig):\n    return r.weight_sync_bucket_mb\n", True),
+    ("def f(cfg):\n    return cfg.rollout.weight_sync_bucket_mb\n", True),
+    ("X = 'weight_sync_bucket_mb'\n", False),  # a string is not a read
+    ("def f(cfg):\n    return cfg.other.weight_sync_bucket_mb\n", False),  # not the rollout config
+    ("def f(r: RolloutConfig):\n    r.weight_sync_bucket_mb = 3\n", False),  # a write
+    ("def f(r: RolloutConfig):\n    return g(weight_sync_bucket_mb=1)\n", False),  # a keyword
+    ("_T_FIELDS = ('weight_sync_bucket_mb',)\ndef f(r: RolloutConfig):\n"
+     "    return {n: getattr(r, n) for n in _T_FIELDS}\n", True),  # a name table fed to getattr
+    ("_T_FIELDS = ('weight_sync_bucket_mb',)\n", False),  # a table nothing iterates
+])
+def test_a_read_is_an_attribute_load_on_the_right_config(source, read):
+    classes = schema_classes()
+    found = reads_in(source, classes, holder_fields(classes))["RolloutConfig"]
+    assert ("weight_sync_bucket_mb" in found) == read
 
 
 # ---------------------------------------------------------------- 8. no import circle

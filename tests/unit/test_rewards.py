@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -23,7 +25,7 @@ def test_failing_rewards_give_zero_with_a_reason_and_the_pool_recovers():
     async def run():
         pool = RewardPool(2, timeout_s=0.5)
         await pool.start()
-        calls = [pool.score(int, "x"), pool.score(time.sleep, 5), pool.score(os._exit, 3),
+        calls = [pool.score(int, "x"), pool.score(time.sleep, 60), pool.score(os._exit, 3),
                  pool.score(float, "nan"), pool.score(lambda: 1.0), pool.score(str, "1.0")]
         bad = await asyncio.gather(*calls)
         good = await asyncio.gather(*(pool.score(good_fn, *good_args) for _ in range(4)))
@@ -34,34 +36,40 @@ def test_failing_rewards_give_zero_with_a_reason_and_the_pool_recovers():
     assert all(o.reward == 0.0 for o in bad) and errors == len(bad)
     reasons = [o.error for o in bad]
     assert reasons[0].startswith("exception: ValueError: invalid literal")
-    assert reasons[1] == "timeout after 0.5 s" and bad[1].elapsed_s < 4.0  # not the 5 s sleep
+    assert reasons[1] == "timeout after 0.5 s" and bad[1].elapsed_s < 15.0  # not the 60 s sleep
     assert reasons[2] == "reward worker died"
     assert "finite number" in reasons[3] and "cannot send" in reasons[4] and "finite number" in reasons[5]
     assert [o.reward for o in good] == [1.0] * 4 and all(o.error is None for o in good)  # replaced workers work
 
 
-def test_rewards_run_off_the_event_loop_in_parallel_workers():
-    async def run():
-        pool = RewardPool(2, timeout_s=5)
-        await pool.start()
-        ticks = 0
+# A reward call that announces itself (creates argv[1]) and then waits for argv[2]; exit 0 once it
+# appears, 1 after 60 s. Events, not wall time: robust on a loaded machine.
+_RENDEZVOUS = ("import os, sys, time\nopen(sys.argv[1], 'w').close()\nend = time.monotonic() + 60\n"
+               "while not os.path.exists(sys.argv[2]):\n    if time.monotonic() > end: sys.exit(1)\n"
+               "    time.sleep(0.01)\n")
 
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-        t = asyncio.create_task(ticker())
-        t0 = time.monotonic()
-        outs = await asyncio.gather(pool.score(time.sleep, 1.0), pool.score(time.sleep, 1.0))
-        elapsed = time.monotonic() - t0
-        t.cancel()
+
+def test_rewards_run_off_the_event_loop_in_parallel_workers(tmp_path):
+    """Both calls wait until the event loop has seen both running, then released: serial workers or
+    a blocked loop would leave them waiting (reward 1, the exit code)."""
+    ready, go = [str(tmp_path / f"ready{i}") for i in range(2)], str(tmp_path / "go")
+
+    async def release_when_both_run():
+        while not all(os.path.exists(r) for r in ready):
+            await asyncio.sleep(0.01)
+        open(go, "w").close()
+
+    async def run():
+        pool = RewardPool(2, timeout_s=120)
+        await pool.start()
+        releaser = asyncio.create_task(release_when_both_run())
+        outs = await asyncio.gather(*(pool.score(subprocess.call, [sys.executable, "-S", "-c", _RENDEZVOUS, r, go])
+                                      for r in ready))
+        releaser.cancel()
         pool.close()
-        return outs, elapsed, ticks
-    outs, elapsed, ticks = asyncio.run(run())
-    assert all(o.error == "exception: reward must be a finite number or (number, dict), got None" for o in outs)
-    assert elapsed < 1.9  # two workers: both sleeps overlapped (serial: >= 2 s)
-    assert ticks >= 10  # the loop kept running meanwhile (blocked: ~0)
+        return outs
+    outs = asyncio.run(run())
+    assert [(o.reward, o.error) for o in outs] == [(0.0, None), (0.0, None)]  # exit code 0: released
 
 
 def test_cancelled_reward_call_retires_its_worker():
