@@ -398,6 +398,7 @@ def cpu_shims_scope(*, skip: Collection[str] = (), force: bool = False):
     """
     saved = [(obj, dict(vars(obj))) for obj in _patched_objects()]
     depth = torch._C._len_torch_function_stack()
+    skipped = set(_SKIPPED)
     try:
         apply_cpu_shims(skip=skip, force=force)
         yield
@@ -410,3 +411,5 @@ def cpu_shims_scope(*, skip: Collection[str] = (), force: bool = False):
             for name, value in before.items():
                 if vars(obj).get(name) is not value:
                     setattr(obj, name, value)
+        _SKIPPED.clear()  # the block's skip list ends with it (apply_optimizer_shims reads it)
+        _SKIPPED.update(skipped)
