@@ -39,8 +39,13 @@ def test_each_cpu_piece_is_needed(sglang_python, piece):
     without = _run(sglang_python, code, disable=(piece,))
     assert without.returncode != 0, f"{piece} is not needed any more: the code ran without it"
     assert failure in (without.stderr + without.stdout).lower(), without.stderr[-2000:]
-    with_it = _run(sglang_python, code)
-    assert with_it.returncode == 0, with_it.stderr[-3000:]
+
+
+@pytest.mark.sglang
+def test_with_every_piece_each_case_runs(sglang_python):
+    """The counterpart of the test above, in one process (each import of SGLang costs seconds)."""
+    with_all = _run(sglang_python, "\n".join(code for code, _ in CASES.values()))
+    assert with_all.returncode == 0, with_all.stderr[-3000:]
 
 
 @pytest.mark.sglang
