@@ -83,6 +83,8 @@ class LocalEngines:
     A context manager: ``with LocalEngines(d, 2) as engines: engines.urls``.
     """
 
+    kind = "embedded"
+
     def __init__(self, model_dir: str | Path, num_engines: int, *, api_key: str | None = None,
                  extra_args: Sequence[str] = (), log_dir: str | Path | None = None, startup_timeout_s: float = 180.0):
         if num_engines < 1:
@@ -134,7 +136,7 @@ class LocalEngines:
         except BaseException:
             self.stop()
             raise
-        logger.info("started %d embedded engines: %s", self.num_engines, self.urls)
+        logger.info("started %d %s engines: %s", self.num_engines, self.kind, self.urls)
         return self.urls
 
     @staticmethod
@@ -212,6 +214,8 @@ class SGLangEngines(LocalEngines):
     SGLang has no port file: each start takes a port probed just before (the log says if it lost the
     race, which ends the start with that log's tail).
     """
+
+    kind = "SGLang"
 
     def __init__(self, model_dir: str | Path, num_engines: int, *, python: str, device: str,
                  max_total_tokens: int, api_key: str | None = None, extra_args: Sequence[str] = (),
