@@ -85,9 +85,9 @@ def test_sigkilled_engine_is_restarted_by_the_supervisor(second):
                                    restart_budget=1, no_engine_timeout_s=600, interval_s=0.5)
             loop = asyncio.create_task(sup.run())
             try:
-                gen = asyncio.create_task(client.generate([5, 6, 7], SamplingParams(max_new_tokens=400,
+                gen = asyncio.create_task(client.generate([5, 6, 7], SamplingParams(max_new_tokens=3000,
                                                                                     ignore_eos=True)))
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(2.0)  # ~400 tok/s at best: still generating
                 second.kill()
                 in_flight = (await asyncio.gather(gen, return_exceptions=True))[0]
                 deadline = time.monotonic() + 400

@@ -23,8 +23,10 @@ Aborts (as measured against the real sglang 0.5.23 server, ``tests/sglang/``):
   matches prefixes); an empty rid aborts nothing;
 - a running request finishes with its partial output and ``{"type": "abort", "message": "Aborted"}``;
 - a request in the waiting queue (not admitted yet, or retracted by a pause) is dropped with
-  SGLang's short waiting-queue reply: no ``prompt_tokens``, no ``routed_experts`` and no output,
-  even when a retracted request had generated some (its tokens are lost);
+  SGLang's short waiting-queue reply: no ``prompt_tokens``, ``routed_experts``, ``cached_tokens``
+  or ``num_retractions``, and of a retracted request's output only what SGLang had already
+  forwarded to its tokenizer manager: the first multiple of :data:`FORCE_STREAM_INTERVAL` tokens
+  (the rest is lost);
 - a request that arrives while generation is paused is held outside the queue (SGLang holds it in
   its tokenizer manager): aborts do not reach it, and it runs after ``continue``.
 """
@@ -50,6 +52,10 @@ from sao_megatron.rollout.engine.model import KVCache, ModelRunner
 from sao_megatron.rollout.engine.sampling import LogprobMode, RowParams, sample_row
 
 logger = logging.getLogger(__name__)
+
+FORCE_STREAM_INTERVAL = 50
+"""SGLang forwards a non-streaming request's output to its tokenizer manager every this many tokens
+(``SGLANG_FORCE_STREAM_INTERVAL``, ``managers/scheduler_components/output_streamer.py``)."""
 
 
 @dataclass(eq=False)
@@ -250,17 +256,20 @@ class EngineCore:
         return {"output_ids": list(req.output), "meta_info": meta}
 
     def waiting_abort_reply(self, req: Request) -> dict[str, Any]:
-        """SGLang's reply for a request aborted in its waiting queue (``scheduler.abort_request``
-        pops it and sends an empty abort output): no prompt_tokens, routed experts or output."""
+        """SGLang's reply for a request aborted in its waiting queue (``scheduler.abort_request`` pops
+        it and sends an empty abort output, which the tokenizer manager merges with the output it
+        already had): no prompt_tokens or routed experts; output only up to the last forwarded block."""
+        n = len(req.output) // FORCE_STREAM_INTERVAL * FORCE_STREAM_INTERVAL
+        spans = version_spans(req.versions[:n]) or [{"version": self.weight_version, "start": 0, "end": 0}]
         meta: dict[str, Any] = {
             "id": req.rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
             "weight_version": self.weight_version, "e2e_latency": time.perf_counter() - req.start,
-            "weight_versions": [{"version": self.weight_version, "start": 0, "end": 0}],
-            "completion_tokens": 0,
+            "weight_versions": spans, "completion_tokens": n,
         }
         if req.return_logprob:
-            meta.update(input_token_logprobs=[], output_token_logprobs=[], output_token_logprobs_length=0)
-        return {"text": "", "output_ids": [], "meta_info": meta}
+            meta.update(input_token_logprobs=[], output_token_logprobs_length=n, output_token_logprobs=[
+                [lp, tok, None] for lp, tok in zip(req.logprobs[:n], req.output[:n])])
+        return {"text": "", "output_ids": req.output[:n], "meta_info": meta}
 
     # ---------------------------------------------------------------- control (engine thread)
     def pause(self, mode: str) -> None:
