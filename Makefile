@@ -4,7 +4,7 @@
 #   make sglang-env - build (idempotent) the real SGLang server's own venv; prints its python
 #   make test-sglang - the tests against real SGLang servers (scripts/ci_sglang.sh)
 SHELL := /bin/bash
-RUN_DIR ?= runs/tiny_cpu
+RUN_DIR ?= runs/tiny_cpu$(if $(filter sglang,$(ENGINE)),_sglang)
 PYTEST_ARGS ?=
 
 .PHONY: setup run test test-all test-slurm gpu-check sglang-env test-sglang
@@ -12,9 +12,16 @@ PYTEST_ARGS ?=
 setup:
 	@bash scripts/setup.sh >/dev/null
 
+# ENGINE=sglang: the same job on real SGLang servers (rollout.num_engines, started by the trainer from
+# SGLang's own venv, built by `make sglang-env` on first use); ENGINE=embedded (default): the embedded engine.
+ENGINE ?= embedded
+TRAIN_SETS ?=
+
 run:
 	@venv=$$(bash scripts/setup.sh | tail -n1) && \
-	  "$$venv/bin/python" -m sao_megatron.cli train --config configs/experiments/tiny_cpu.yaml --run-dir $(RUN_DIR) --resume auto && \
+	  sets="--set rollout.engine=$(ENGINE)" && \
+	  if [ "$(ENGINE)" = sglang ]; then sets="$$sets --set rollout.sglang_python=$$(bash scripts/setup.sh --sglang | tail -n1)"; fi && \
+	  "$$venv/bin/python" -m sao_megatron.cli train --config configs/experiments/tiny_cpu.yaml --run-dir $(RUN_DIR) --resume auto $$sets $(TRAIN_SETS) && \
 	  "$$venv/bin/python" -m sao_megatron.cli report $(RUN_DIR)
 
 test:

@@ -337,11 +337,18 @@ class RolloutConfig:
     """Inference engines and how the trainer talks to them."""
 
     engine: Literal["embedded", "sglang"] = "embedded"
-    """embedded: CPU engine started by the trainer; sglang: existing SGLang servers at engine_urls."""
+    """embedded: CPU engine started by the trainer; sglang: the SGLang servers at engine_urls, or without
+    engine_urls num_engines real SGLang servers started by the trainer (docs/sglang.md)."""
     num_engines: int = 1
-    """Embedded engines to start."""
+    """Engines the trainer starts (embedded, or sglang without engine_urls)."""
     engine_urls: list[str] = field(default_factory=list)
-    """SGLang server URLs (engine=sglang)."""
+    """SGLang server URLs (engine=sglang); empty: start num_engines servers on this machine."""
+    sglang_python: str | None = None
+    """Python of SGLang's own venv for servers started here (None: $SAO_SGLANG_PYTHON); built and printed
+    by `bash scripts/setup.sh --sglang`."""
+    sglang_max_total_tokens: int = 16384
+    """KV cache of SGLang servers started here, in tokens (--max-total-tokens); 0 leaves it to SGLang (free
+    GPU memory; on CPU that is 58M tokens, 13.8 GB)."""
     router: Literal["builtin", "sglang_router"] = "builtin"
     """Data routing: built-in least-loaded sticky router, or the real sglang-router."""
     router_url: str | None = None

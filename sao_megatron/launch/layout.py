@@ -183,8 +183,9 @@ def engine_argv(plan: LaunchPlan, *, python: str, model_dir: str, host: str, por
                 "--host", host, "--port", str(port)]
     else:
         tp = plan.gpus_per_engine or plan.gpus_per_node
-        argv = [python, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host,
-                "--port", str(port), "--tp-size", str(tp), "--base-gpu-id", str(local_index * tp)]
+        argv = [python, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host, "--port", str(port)]
+        if tp:  # a CPU rollout node (--server sglang, no GPUs) runs one server per node, without TP
+            argv += ["--tp-size", str(tp), "--base-gpu-id", str(local_index * tp)]
     argv += ["--weight-version", "0"]
     if return_routed_experts:
         argv.append("--enable-return-routed-experts")

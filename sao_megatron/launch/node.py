@@ -262,11 +262,13 @@ def run_rollout_node(plan: LaunchPlan, alloc: Allocation, node_index: int, *, st
     host = alloc.rollout_addrs[node_index]
     env = node_env(plan, alloc, host)
     mine = lp.engine_endpoints(alloc.rollout_addrs, alloc.port_base, per_node)[node_index * per_node:][:per_node]
+    python, extra, engine_env = _engine_setup(plan, rollout, model_dir, env)
     engines = []
     for k, (addr, port) in enumerate(mine):
-        argv = lp.engine_argv(plan, python=sys.executable, model_dir=model_dir, host=host, port=port, local_index=k,
+        argv = lp.engine_argv(plan, python=python, model_dir=model_dir, host=host, port=port, local_index=k,
                               return_routed_experts=rollout.routing_replay, api_key=rollout.api_key)
-        engines.append(ServedEngine(argv, lp.url(addr, port), env, _start(argv, env=env)))
+        argv[len(argv) - len(plan.engine_args):len(argv) - len(plan.engine_args)] = extra  # --engine-arg wins
+        engines.append(ServedEngine(argv, lp.url(addr, port), engine_env, _start(argv, env=engine_env)))
     procs: list[subprocess.Popen] = []  # the router, on rollout node 0
     try:
         engine_urls, router_url = endpoints(plan, alloc)
@@ -284,6 +286,27 @@ def run_rollout_node(plan: LaunchPlan, alloc: Allocation, node_index: int, *, st
                           engines=engines)
     finally:
         _stop_all(procs + [e.proc for e in engines])
+
+
+def _engine_setup(plan: LaunchPlan, rollout, model_dir: str, env: dict[str, str]) -> tuple[str, list[str], dict[str, str]]:
+    """(python, arguments, environment) of this node's engine servers.
+
+    SGLang servers get the arguments of those the trainer starts itself (``rollout.launch``: the
+    checkpoint's dtype, rollout.sglang_max_total_tokens, no warm-up) and run on SGLang's own venv when
+    rollout.sglang_python or $SAO_SGLANG_PYTHON names one (else this python, e.g. a GPU container's
+    with sglang installed). On a node without GPUs they run with the CPU support of rollout.sglang_cpu.
+    """
+    if lp.server_kind(plan) != "sglang":
+        return sys.executable, [], env
+    from sao_megatron.rollout import sglang_cpu
+    from sao_megatron.rollout.launch import sglang_python, sglang_server_args
+
+    python = sys.executable
+    if rollout.sglang_python or os.environ.get("SAO_SGLANG_PYTHON"):
+        python = sglang_python(rollout.sglang_python)
+    device = "cuda" if plan.gpus_per_node else "cpu"
+    extra = sglang_server_args(model_dir, max_total_tokens=rollout.sglang_max_total_tokens, device=device)
+    return python, extra, sglang_cpu.cpu_env(env) if device == "cpu" else env
 
 
 def _serve(procs: list[subprocess.Popen], stop: threading.Event, stop_file: pathlib.Path | None, *,

@@ -83,6 +83,8 @@ class LocalEngines:
     A context manager: ``with LocalEngines(d, 2) as engines: engines.urls``.
     """
 
+    kind = "embedded"
+
     def __init__(self, model_dir: str | Path, num_engines: int, *, api_key: str | None = None,
                  extra_args: Sequence[str] = (), log_dir: str | Path | None = None, startup_timeout_s: float = 180.0):
         if num_engines < 1:
@@ -134,7 +136,7 @@ class LocalEngines:
         except BaseException:
             self.stop()
             raise
-        logger.info("started %d embedded engines: %s", self.num_engines, self.urls)
+        logger.info("started %d %s engines: %s", self.num_engines, self.kind, self.urls)
         return self.urls
 
     @staticmethod
@@ -213,13 +215,15 @@ class SGLangEngines(LocalEngines):
     race, which ends the start with that log's tail).
     """
 
+    kind = "SGLang"
+
     def __init__(self, model_dir: str | Path, num_engines: int, *, python: str, device: str,
                  max_total_tokens: int, api_key: str | None = None, extra_args: Sequence[str] = (),
                  log_dir: str | Path | None = None, startup_timeout_s: float = 300.0):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {device!r}")
-        if max_total_tokens < 1:
-            raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
+        if max_total_tokens < 0:
+            raise ValueError(f"max_total_tokens must be >= 0 (0: SGLang's own sizing), got {max_total_tokens}")
         super().__init__(model_dir, num_engines, api_key=api_key, extra_args=extra_args, log_dir=log_dir,
                          startup_timeout_s=startup_timeout_s)
         self.python, self.device, self.max_total_tokens = python, device, max_total_tokens
@@ -231,10 +235,8 @@ class SGLangEngines(LocalEngines):
         port = free_port()
         port_file.write_text(str(port))
         cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.model_dir,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", checkpoint_dtype(self.model_dir),
-               "--max-total-tokens", str(self.max_total_tokens), "--skip-server-warmup"]
-        if self.device == "cpu":
-            cmd += ["--device", "cpu"]
+               "--host", "127.0.0.1", "--port", str(port),
+               *sglang_server_args(self.model_dir, max_total_tokens=self.max_total_tokens, device=self.device)]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         if "--weight-version" not in self.extra_args:
@@ -247,6 +249,26 @@ class SGLangEngines(LocalEngines):
         from sao_megatron.rollout import sglang_cpu
 
         return sglang_cpu.cpu_env(_offline_env(), disable=self.disabled_patches)
+
+
+def sglang_server_args(model_dir: str | Path, *, max_total_tokens: int, device: str) -> list[str]:
+    """What every SGLang server sao-megatron starts gets: the checkpoint's dtype, the KV size, no
+    warm-up request (it would run before the trainer's weights are loaded anyway), and on CPU the
+    device (SGLang then picks torch-native attention and sampling itself)."""
+    args = ["--dtype", checkpoint_dtype(model_dir), "--skip-server-warmup"]
+    if max_total_tokens:
+        args += ["--max-total-tokens", str(max_total_tokens)]
+    return args + (["--device", "cpu"] if device == "cpu" else [])
+
+
+def local_sglang_engines(rollout, model_dir: str | Path, *, log_dir: str | Path, extra_args: Sequence[str],
+                         device: str | None = None) -> SGLangEngines:
+    """``rollout.num_engines`` SGLang servers from a RolloutConfig (engine=sglang without engine_urls);
+    not started yet. ValueError saying how to build SGLang's venv when its python is missing."""
+    return SGLangEngines(model_dir, rollout.num_engines, python=sglang_python(rollout.sglang_python),
+                         device=device or default_device(), max_total_tokens=rollout.sglang_max_total_tokens,
+                         api_key=rollout.api_key, extra_args=extra_args, log_dir=log_dir,
+                         startup_timeout_s=max(rollout.startup_timeout_s, 300.0))
 
 
 def checkpoint_dtype(model_dir: str | Path) -> str:

@@ -21,7 +21,7 @@ from sao_megatron.errors import SaoError
 from sao_megatron.models.families.hf_config import write_hf_template
 from sao_megatron.rollout.client import RolloutClient
 from sao_megatron.rollout.health import wait_healthy
-from sao_megatron.rollout.launch import LocalEngines, SGLangRouterProcess
+from sao_megatron.rollout.launch import LocalEngines, SGLangRouterProcess, local_sglang_engines
 from sao_megatron.rollout.recovery import CurrentWeights, LocalRestarter
 from sao_megatron.rollout.router_admin import RouterAdmin
 from sao_megatron.rollout.supervisor import EngineSupervisor, Readmit
@@ -39,10 +39,8 @@ class EngineStartError(SaoError):
 def check_reachable(rollout: RolloutConfig) -> None:
     """Before any training: every configured SGLang server (and router) answers /health within
     ``rollout.startup_timeout_s`` (servers launched beside the trainer may still be loading)."""
-    if rollout.engine != "sglang":
+    if rollout.engine != "sglang" or not rollout.engine_urls:  # none: the trainer starts them (rollout.launch)
         return
-    if not rollout.engine_urls:
-        raise EngineStartError("rollout.engine=sglang needs rollout.engine_urls (one URL per SGLang server)")
     urls = [*rollout.engine_urls, *([rollout.router_url] if rollout.router_url else [])]
     try:
         wait_healthy(urls, timeout_s=rollout.startup_timeout_s, what="rollout engine", api_key=rollout.api_key,
@@ -116,7 +114,7 @@ class RolloutSide:
         launcher = None
         if self.engines is not None:
             launcher = LocalRestarter(self.engines, served, self.bridge.loop, self.weights_root / "restarts",
-                                      ["--skip-tokenizer-init"])
+                                      self.engines.extra_args[2:])  # less the --weight-version it replaces
         router = RouterAdmin(router_url, api_key=self.cfg.api_key) if router_url else None
         self.supervisor = EngineSupervisor(
             self.client, urls, readmit=readmit, launcher=launcher, router=router, api_key=self.cfg.api_key,
@@ -124,18 +122,23 @@ class RolloutSide:
         self._supervising = self.bridge.run(_spawn(self.supervisor.run()))
 
     def _start_engines(self, model_dir: pathlib.Path, version: int) -> list[str]:
-        if self.cfg.engine == "sglang":
-            if not self.cfg.engine_urls:
-                raise EngineStartError("rollout.engine=sglang needs rollout.engine_urls (one URL per SGLang server)")
+        extra = ["--weight-version", str(version), "--skip-tokenizer-init",
+                 *(["--enable-return-routed-experts"] if self.cfg.routing_replay else [])]
+        if self.cfg.engine == "sglang" and self.cfg.engine_urls:
             return list(self.cfg.engine_urls)
-        self.engines = LocalEngines(model_dir, self.cfg.num_engines, api_key=self.cfg.api_key,
-                                    extra_args=["--weight-version", str(version), "--skip-tokenizer-init",
-                                                *(["--enable-return-routed-experts"] if self.cfg.routing_replay else [])],
-                                    log_dir=self.run_dir / "logs")
+        if self.cfg.engine == "sglang":  # no URLs: real SGLang servers on this machine
+            try:
+                self.engines = local_sglang_engines(self.cfg, model_dir, log_dir=self.run_dir / "logs",
+                                                    extra_args=extra)
+            except ValueError as exc:
+                raise EngineStartError(str(exc)) from exc
+        else:
+            self.engines = LocalEngines(model_dir, self.cfg.num_engines, api_key=self.cfg.api_key,
+                                        extra_args=extra, log_dir=self.run_dir / "logs")
         try:
             self.engines.start()
         except Exception as exc:
-            raise EngineStartError(f"embedded engines failed to start: {exc}") from exc
+            raise EngineStartError(f"{self.cfg.engine} engines failed to start: {exc}") from exc
         return list(self.engines.urls)
 
     def _start_router(self, urls: list[str]) -> str | None:

@@ -35,7 +35,7 @@ API_KEY = "sglang-test-key"
 VOCAB = 250  # not a multiple of 64: SGLang pads the embedding rows, checksums must cope
 LAYERS, TOPK, EXPERTS = 2, 2, 4
 EOS = 1
-MAX_TOTAL_TOKENS = 4096
+MAX_TOTAL_TOKENS = 16384
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -49,7 +49,7 @@ def build_tiny_moe(out_dir: Path, *, dtype: torch.dtype, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                             num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=EXPERTS, num_experts_per_tok=TOPK, max_position_embeddings=512,
+                            num_experts=EXPERTS, num_experts_per_tok=TOPK, max_position_embeddings=4096,
                             tie_word_embeddings=False, eos_token_id=EOS, bos_token_id=0, rope_theta=10000.0)
     model = Qwen3MoeForCausalLM(config)
     with torch.no_grad():

@@ -17,6 +17,18 @@ Pause modes (SGLang 0.5.23 semantics):
   resumes on the old cache (computed by the old weights, as in SGLang).
 Every output token records the weight version that sampled it; replies carry
 them as ``weight_versions`` spans.
+
+Aborts (as measured against the real sglang 0.5.23 server, ``tests/sglang/``):
+- ``/abort_request {"rid": R}`` aborts every request whose rid starts with R (SGLang's scheduler
+  matches prefixes); an empty rid aborts nothing;
+- a running request finishes with its partial output and ``{"type": "abort", "message": "Aborted"}``;
+- a request in the waiting queue (not admitted yet, or retracted by a pause) is dropped with
+  SGLang's short waiting-queue reply: no ``prompt_tokens``, ``routed_experts``, ``cached_tokens``
+  or ``num_retractions``, and of a retracted request's output only what SGLang had already
+  forwarded to its tokenizer manager: the first multiple of :data:`FORCE_STREAM_INTERVAL` tokens
+  (the rest is lost);
+- a request that arrives while generation is paused is held outside the queue (SGLang holds it in
+  its tokenizer manager): aborts do not reach it, and it runs after ``continue``.
 """
 
 from __future__ import annotations
@@ -41,6 +53,10 @@ from sao_megatron.rollout.engine.sampling import LogprobMode, RowParams, sample_
 
 logger = logging.getLogger(__name__)
 
+FORCE_STREAM_INTERVAL = 50
+"""SGLang forwards a non-streaming request's output to its tokenizer manager every this many tokens
+(``SGLANG_FORCE_STREAM_INTERVAL``, ``managers/scheduler_components/output_streamer.py``)."""
+
 
 @dataclass(eq=False)
 class Request:
@@ -59,6 +75,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
     routing: list[np.ndarray] = field(default_factory=list)
+    num_retractions: int = 0
     cache: KVCache | None = None
     start: float = field(default_factory=time.perf_counter)
 
@@ -95,6 +112,8 @@ class EngineCore:
         self.in_weight_update = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.held: deque[Request] = deque()
+        """Requests that arrived while paused: out of the scheduler's reach until continue."""
         self.error: BaseException | None = None
         self.stats = {"decode_steps": 0, "decode_rows": 0, "max_decode_batch": 0, "prefills": 0, "aborted": 0}
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -159,7 +178,7 @@ class EngineCore:
         except BaseException as exc:  # noqa: BLE001 - the engine is dead; fail every request loudly
             logger.exception("engine thread crashed")
             self.error = exc
-            for req in list(self.running) + list(self.waiting):
+            for req in list(self.running) + list(self.waiting) + list(self.held):
                 req.done({"error": f"engine crashed: {exc!r}", "status": 500})
         finally:
             self._run_commands()
@@ -178,7 +197,7 @@ class EngineCore:
         if req.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
             return
-        self.waiting.append(req)
+        (self.held if self.paused else self.waiting).append(req)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
@@ -226,10 +245,10 @@ class EngineCore:
         req.done(self.reply(req, reason))
 
     def reply(self, req: Request, reason: dict[str, Any]) -> dict[str, Any]:
-        """SGLang's /generate reply for a finished request."""
+        """SGLang's /generate reply for a finished request (``text`` is the server's, with a tokenizer)."""
         meta: dict[str, Any] = {
             "id": req.rid, "finish_reason": reason, "prompt_tokens": len(req.prompt),
-            "completion_tokens": len(req.output), "cached_tokens": 0,
+            "completion_tokens": len(req.output), "cached_tokens": 0, "num_retractions": req.num_retractions,
             "weight_version": self.weight_version, "weight_versions": version_spans(req.versions),
             "e2e_latency": time.perf_counter() - req.start,
         }
@@ -238,50 +257,62 @@ class EngineCore:
         if req.want_routing:
             rows = np.concatenate(req.routing) if req.routing else np.zeros((0, self.runner.num_layers, max(self.runner.topk, 1)), np.int32)
             meta["routed_experts"] = base64.b64encode(np.ascontiguousarray(rows, np.int32).tobytes()).decode()
-        return {"text": "", "output_ids": list(req.output), "meta_info": meta}
+        return {"output_ids": list(req.output), "meta_info": meta}
+
+    def waiting_abort_reply(self, req: Request) -> dict[str, Any]:
+        """SGLang's reply for a request aborted in its waiting queue (``scheduler.abort_request`` pops
+        it and sends an empty abort output, which the tokenizer manager merges with the output it
+        already had): no prompt_tokens or routed experts; output only up to the last forwarded block."""
+        n = len(req.output) // FORCE_STREAM_INTERVAL * FORCE_STREAM_INTERVAL
+        spans = version_spans(req.versions[:n]) or [{"version": self.weight_version, "start": 0, "end": 0}]
+        meta: dict[str, Any] = {
+            "id": req.rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+            "weight_version": self.weight_version, "e2e_latency": time.perf_counter() - req.start,
+            "weight_versions": spans, "completion_tokens": n,
+        }
+        if req.return_logprob:
+            meta.update(input_token_logprobs=[], output_token_logprobs_length=n, output_token_logprobs=[
+                [lp, tok, None] for lp, tok in zip(req.logprobs[:n], req.output[:n])])
+        return {"text": "", "output_ids": req.output[:n], "meta_info": meta}
 
     # ---------------------------------------------------------------- control (engine thread)
     def pause(self, mode: str) -> None:
         self.paused = mode
         if mode == "abort":
-            self.abort_all("paused with mode=abort")
+            self.abort_all()
         elif mode == "retract":
             for req in reversed(self.running):
                 req.cache = None
+                req.num_retractions += 1
                 self.waiting.appendleft(req)
             self.running.clear()
 
     def resume(self) -> None:
         self.paused = None
+        self.waiting.extend(self.held)
+        self.held.clear()
 
-    def abort(self, rid: str, message: str = "aborted by /abort_request") -> None:
-        for req in [r for r in self.running if r.rid == rid]:
-            self._finish(req, {"type": "abort", "message": message})
-        for req in [r for r in self.waiting if r.rid == rid]:
-            self.waiting.remove(req)
-            self._finish_queued(req)
+    def abort(self, rid: str, message: str = "Aborted") -> None:
+        """Every running or waiting request whose rid starts with ``rid`` (SGLang matches prefixes)."""
+        if not rid:  # SGLang ignores an empty rid: it would match every request
+            return
+        self._abort([r for r in self.running if r.rid.startswith(rid)],
+                    [r for r in self.waiting if r.rid.startswith(rid)], message)
 
-    def abort_all(self, message: str = "aborted by /abort_request") -> None:
-        running, waiting = list(self.running), list(self.waiting)
-        self.waiting.clear()
-        for req in running:
-            self._finish(req, {"type": "abort", "message": message})
+    def abort_all(self, message: str = "Aborted") -> None:
+        self._abort(list(self.running), list(self.waiting), message)
+
+    def _abort(self, running: list[Request], waiting: list[Request], message: str) -> None:
         for req in waiting:
-            self._finish_queued(req)
-
-    def _finish_queued(self, req: Request) -> None:
-        """SGLang answers a request aborted in its waiting queue from the tokenizer manager's state
-        (``tokenizer_manager.py:_handle_abort_req``): no prompt_tokens, cached_tokens or routed_experts,
-        and the message "Abort in waiting queue"."""
-        req.cache = None
-        self.stats["aborted"] += 1
-        reply = self.reply(req, {"type": "abort", "message": "Abort in waiting queue"})
-        for key in ("prompt_tokens", "cached_tokens", "routed_experts"):
-            reply["meta_info"].pop(key, None)
-        req.done(reply)
+            self.waiting.remove(req)
+            req.cache = None
+            self.stats["aborted"] += 1
+            req.done(self.waiting_abort_reply(req))
+        for req in running:
+            self._finish(req, {"type": "abort", "message": message, "status_code": None, "err_type": None})
 
     def num_pending(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.held)
 
 
 def settle_future(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

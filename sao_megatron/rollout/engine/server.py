@@ -83,7 +83,7 @@ class EngineServer:
                            done=lambda reply: loop.call_soon_threadsafe(settle_future, fut, reply, None))
 
         def add() -> None:
-            if any(r.rid == req.rid for r in list(self.core.running) + list(self.core.waiting)):
+            if any(r.rid == req.rid for r in [*self.core.running, *self.core.waiting, *self.core.held]):
                 raise BadRequest(f"duplicate request id {req.rid}: a request with this rid is in flight")
             self.core.add(req)
         await self.core.call(add)
@@ -146,7 +146,7 @@ class EngineServer:
 
     async def server_info(self):
         core = self.core
-        pending = list(core.running) + list(core.waiting)
+        pending = [*core.running, *core.waiting, *core.held]
         return {**self._names(), "max_context_length": self.runner.max_context,
                 "version": f"{API_VERSION}+sao-embedded", "host": self.host, "port": self.port, "tp_size": 1,
                 "dp_size": 1, "max_running_requests": core.max_running, "skip_tokenizer_init": self.tokenizer is None,

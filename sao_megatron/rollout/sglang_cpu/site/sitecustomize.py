@@ -27,7 +27,8 @@ def _check_version():
             f"python ({sys.executable}) has sglang {have or 'not installed'}. Build the pinned env with "
             "`bash scripts/setup.sh --sglang` (or `make sglang-env`) and point rollout.sglang_python at "
             "the python it prints.\n")
-        raise SystemExit(2)
+        sys.stderr.flush()
+        os._exit(2)  # SystemExit here would be a fatal error of site.py with a traceback
 
 
 def _alloc_plain(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
