@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from rollout_fixtures import EOS, assert_close, hf_reference, tiny_dirs  # noqa: F401 - fixture
 
-from sao_megatron.rollout.engine.core import EngineCore, Request, request_generator
+from sao_megatron.rollout.engine.core import FORCE_STREAM_INTERVAL, EngineCore, Request, request_generator
 from sao_megatron.rollout.engine.model import ModelRunner
 from sao_megatron.rollout.engine.sampling import RowParams
 from sao_megatron.rollout.types import SamplingParams
@@ -131,15 +131,20 @@ def test_abort_in_the_waiting_queue_answers_as_sglang_does(runner):
 
     core = EngineCore(runner, max_running=1)
     replies: dict = {}
-    sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=100, ignore_eos=True)
     core.add(make_request("run", [7, 8, 9], sp, replies, routing=True))
     core.add(make_request("queued", [1, 2], sp, replies, routing=True))  # max_running=1: it waits
-    for _ in range(3):
+    steps = FORCE_STREAM_INTERVAL + 2
+    for _ in range(steps):
         core.step()
     core.abort("queued")
-    core.pause("retract")  # "run" goes back to the waiting queue with its 4 tokens (prefill + 3 decodes)
+    core.pause("retract")  # "run" goes back to the waiting queue with steps + 1 tokens (prefill + decodes)
     core.abort("run")
-    for rid, tokens, prompt in (("queued", 0, 2), ("run", 4, 3)):
+    # SGLang returns only the output it had already streamed to the tokenizer manager, in blocks of
+    # FORCE_STREAM_INTERVAL tokens (measured against the real server: tests/sglang/test_differential.py).
+    kept = (steps + 1) // FORCE_STREAM_INTERVAL * FORCE_STREAM_INTERVAL
+    assert kept == FORCE_STREAM_INTERVAL
+    for rid, tokens, prompt in (("queued", 0, 2), ("run", kept, 3)):
         meta = replies[rid]["meta_info"]
         assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
         assert not {"prompt_tokens", "cached_tokens", "routed_experts"} & meta.keys()
