@@ -99,7 +99,7 @@ def dist_floor(tensors, bucket_bytes: int, reps: int) -> float:
 
 def run_size(params_m: float, reps: int, bucket_bytes: int, root: Path) -> dict[str, float]:
     from sao_megatron.rollout.client import RolloutClient
-    from sao_megatron.training.async_bridge import AsyncBridge
+    from sao_megatron.training.run.async_bridge import AsyncBridge
 
     tensors = make_checkpoint(root / "model", params_m)
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
