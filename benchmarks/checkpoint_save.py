@@ -45,7 +45,7 @@ def build(args):
     from sao_megatron.parallel import cpu_support
     from sao_megatron.models.builder import build_model_chunks
     from sao_megatron.parallel.bootstrap import init_distributed
-    from sao_megatron.training.optim import setup_optimizer
+    from sao_megatron.training.step.optim import setup_optimizer
 
     if args.device == "cpu":
         cpu_support.apply_cpu_shims()
@@ -62,7 +62,7 @@ def build(args):
 def make_step(ctx, cfg, ddp, opt, sched, device):
     import torch
 
-    from sao_megatron.training.optim import optimizer_step
+    from sao_megatron.training.step.optim import optimizer_step
 
     tokens = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
 
@@ -81,7 +81,7 @@ def save_once(mode, path, chunks, opt):
     """Start one save in ``mode``; returns (seconds blocked, CheckpointSaves, published flag)."""
     from megatron.core import dist_checkpointing
 
-    from sao_megatron.training import checkpoint as ck
+    from sao_megatron.training.run import checkpoint as ck
 
     published: list[bool] = []
     t0 = time.perf_counter()

@@ -121,7 +121,7 @@ class GlooFloor:
 def run_size(params_m: float, reps: int, bucket_bytes: int, root: Path) -> dict[str, float]:
     """Floors and syncs interleaved rep by rep (a load spike hits both sides alike); best of each."""
     from sao_megatron.rollout.client import RolloutClient
-    from sao_megatron.training.async_bridge import AsyncBridge
+    from sao_megatron.training.run.async_bridge import AsyncBridge
 
     tensors = make_checkpoint(root / "model", params_m)
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)

@@ -1,7 +1,7 @@
 """Shared plumbing of the converters: layout bootstrap, atomic output dirs, checkpoint metadata.
 
 A converted Megatron checkpoint directory holds the Megatron distributed
-checkpoint (written by ``sao_megatron.training.checkpoint``) plus
+checkpoint (written by ``sao_megatron.training.run.checkpoint``) plus
 ``model_config.yaml`` (the derived ModelConfig, Megatron field names) and
 ``conversion.json`` (where it came from).
 """
@@ -113,13 +113,13 @@ def read_model_config(ckpt_dir: str | pathlib.Path) -> ModelConfig:
 
 def save_megatron(ckpt_dir: pathlib.Path, chunks: list) -> None:
     """Write the model chunks as a Megatron distributed checkpoint (collective)."""
-    from sao_megatron.training import checkpoint
+    from sao_megatron.training.run import checkpoint
 
     checkpoint.save_checkpoint(ckpt_dir, chunks)
 
 
 def load_megatron(ckpt_dir: pathlib.Path, chunks: list) -> None:
     """Load a Megatron distributed checkpoint into the model chunks at their layout (collective)."""
-    from sao_megatron.training import checkpoint
+    from sao_megatron.training.run import checkpoint
 
     checkpoint.load_checkpoint(ckpt_dir, chunks)

@@ -17,15 +17,15 @@ import sys
 _VERBS: dict[str, str] = {
     "config": "sao_megatron.config.cli",
     "plan": "sao_megatron.launch.planner_cli",
-    "models": "sao_megatron.training.smoke_cli",
-    "report": "sao_megatron.training.report",
-    "train": "sao_megatron.training.cli",
-    "sft": "sao_megatron.training.cli",
-    "parity": "sao_megatron.training.parity",
+    "models": "sao_megatron.training.verbs.smoke_cli",
+    "report": "sao_megatron.training.verbs.report",
+    "train": "sao_megatron.training.verbs.cli",
+    "sft": "sao_megatron.training.verbs.cli",
+    "parity": "sao_megatron.training.verbs.parity",
     "serve-local": "sao_megatron.rollout.engine.cli",
     "convert": "checkpoints_tools.cli",
     "launch": "sao_megatron.launch.cli",
-    "eval": "sao_megatron.training.eval_cli",
+    "eval": "sao_megatron.training.verbs.eval_cli",
     "study": "sao_megatron.study.cli",
     "node": "sao_megatron.launch.node",
 }
@@ -45,7 +45,7 @@ def build_parser(verbs: list[str] | None = None) -> argparse.ArgumentParser:
 
 # Known, expected start-up noise of megatron-core and torch on machines without Transformer Engine,
 # apex or CUDA (one screen per run otherwise). What was chosen instead is logged in one line by
-# training.components ("models: ... specs ..., ... optimizer ...").
+# training.run.components ("models: ... specs ..., ... optimizer ...").
 _KNOWN_WARNINGS = (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
                    r"full scope is deprecated", r"No CUDA runtime is found", r"MimoModelConfig is experimental",
                    r"The \.grad attribute of a Tensor that is not a leaf",

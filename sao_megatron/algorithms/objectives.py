@@ -3,7 +3,7 @@
 An objective is an advantage estimator and a policy loss, plus which log-probs the loss's ratio is
 against. Each estimator and loss names the config section of its knobs (``algorithm.<section>``) and
 holds its function from this package; the functions take those knobs as explicit keyword arguments
-(``training.objective_knobs`` maps the config section to them). Validation, the trainer and the RL
+(``training.step.objective_knobs`` maps the config section to them). Validation, the trainer and the RL
 step read what an objective needs from here instead of testing name strings or flags
 (docs/architecture.md#baselines: "baselines kept in the same code").
 """

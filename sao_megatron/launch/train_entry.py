@@ -20,7 +20,7 @@ from sao_megatron.rollout.health import wait_healthy
 
 log = logging.getLogger(__name__)
 # Imported before waiting (best effort: a missing one is imported by the trainer as usual).
-_PREIMPORT = ("torch", "torch.distributed", "megatron.core", "sao_megatron.training.trainer")
+_PREIMPORT = ("torch", "torch.distributed", "megatron.core", "sao_megatron.training.run.trainer")
 
 
 def main(argv: list[str] | None = None) -> int:

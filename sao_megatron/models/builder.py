@@ -91,12 +91,12 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *, us
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available() if on_cpu is None else on_cpu,
         # Micro-batches have different lengths: 1F1B pipelines exchange shapes. Not with the allgather
-        # dispatcher (Megatron forbids it) nor interleaving (deadlocks on gloo): training.forward pads.
+        # dispatcher (Megatron forbids it) nor interleaving (deadlocks on gloo): training.step.forward pads.
         variable_seq_lengths=(pp > 1 and not parallel.virtual_pipeline_model_parallel_size
                               and model.moe_token_dispatcher_type != "allgather"),
         bias_activation_fusion=use_te, bias_dropout_fusion=use_te, masked_softmax_fusion=use_te,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        # Losses arrive pre-normalised by global counts (training.forward): Megatron must not divide
+        # Losses arrive pre-normalised by global counts (training.step.forward): Megatron must not divide
         # by the number of micro-batches nor average over DP; gradients are summed.
         calculate_per_token_loss=True,
         # Free pipeline outputs after sending them; the schedules then call the autograd engine

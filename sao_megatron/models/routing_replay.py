@@ -126,7 +126,7 @@ class RouteReplay:
     @contextlib.contextmanager
     def replaying(self, mb: dict[str, torch.Tensor], shape: Sequence[int]) -> Iterator[None]:
         """``prepare`` for one forward; afterwards the routers choose on their own again (a forward
-        outside ``training.forward`` never sees a stale micro-batch's routes)."""
+        outside ``training.step.forward`` never sees a stale micro-batch's routes)."""
         self.prepare(mb, shape)
         try:
             yield

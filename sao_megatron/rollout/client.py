@@ -17,26 +17,28 @@ Failure policy:
   while a request waits on it: the request ends at once; a turn fails over to another engine, a
   control call's broadcast skips it;
 - non-2xx or malformed body: ``EngineReplyError`` (body truncated in the message).
+
+The HTTP exchanges and their failure classes are ``rollout.transport.EngineTransport``'s; the
+engines and their health are the router's (``rollout.routing``); this class holds the request path
+(which engine a turn goes to, fail-over) and the control verbs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from sao_megatron.rollout.health import HEALTH_TIMEOUT_S, EngineState, probe
-from sao_megatron.rollout.protocol import build_generate_payload, parse_generate_reply, truncate
+from sao_megatron.rollout.protocol import build_generate_payload, parse_generate_reply
 from sao_megatron.rollout.routing import LeastLoadedRouter
+from sao_megatron.rollout.transport import EngineTransport, ExchangeHook, NeverAccepted, TakenOut
 from sao_megatron.rollout.types import (
     EngineError,
-    EngineReplyError,
     EngineTimeout,
     EngineUnavailable,
     GenerateResult,
@@ -45,18 +47,6 @@ from sao_megatron.rollout.types import (
 )
 
 logger = logging.getLogger(__name__)
-
-# (path, request payload or None, parsed JSON reply or None) after every exchange that got a reply.
-ExchangeHook = Callable[[str, "dict[str, Any] | None", Any], None]
-
-
-class _NeverAccepted(Exception):
-    """Connection refused or connect timeout after all retries: safe to send elsewhere."""
-
-
-class _TakenOut(EngineUnavailable):
-    """The engine was removed (dead or hung) while the request waited: it will not answer, so a turn
-    is sent elsewhere; a control call skips it."""
 
 
 class RolloutClient:
@@ -74,29 +64,25 @@ class RolloutClient:
         self._router = LeastLoadedRouter([u.rstrip("/") for u in engine_urls])
         self.router_url = router_url.rstrip("/") if router_url else None
         self.timeout_s = timeout_s
-        self.control_timeout_s = control_timeout_s if control_timeout_s is not None else timeout_s
-        self.max_connect_retries = max_connect_retries
-        self.retry_backoff_s = retry_backoff_s
         self.routed_experts_layout = routed_experts_layout
-        self.on_exchange = on_exchange
         self.engine_wait_s = 0.0
         """With no healthy engine, ``generate`` waits this long for one to come back (a restart) before
         raising EngineUnavailable (0: raise at once)."""
         self.served = served
         self.paused = False
         """Generation is paused on the engines (health probes then skip SGLang's /health, which waits)."""
-        self._open_sends: dict[str, set[asyncio.Future]] = {}
-        self._cut: set[asyncio.Future] = set()
-        """Open requests cancelled by ``remove_engine`` (told apart from the caller's own cancellation)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # trust_env=False: a proxy from the environment must never see loopback engine traffic.
-        self._http = httpx.AsyncClient(
+        http = httpx.AsyncClient(
             headers=headers, trust_env=False,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                 keepalive_expiry=2.0))
         # keepalive_expiry below the servers' keep-alive timeout (uvicorn: 5 s) so a pooled
         # connection is never reused just as the server closes it (that would look like a crash).
+        self._transport = EngineTransport(
+            self._router, http, control_timeout_s=control_timeout_s if control_timeout_s is not None else timeout_s,
+            max_connect_retries=max_connect_retries, retry_backoff_s=retry_backoff_s, on_exchange=on_exchange)
 
     @property
     def weight_version(self) -> int | None:
@@ -129,124 +115,34 @@ class RolloutClient:
         """Stop sending anything to ``url`` (dead, hung or being restarted). Requests still open there
         are cut short with EngineUnavailable: control calls are skipped by the broadcast, turns fail
         over (see ``_send_tracked``)."""
-        url = url.rstrip("/")
-        self._router.remove(url)
-        for task in self._open_sends.pop(url, set()):
-            self._cut.add(task)
-            task.cancel()
+        self._transport.cut(url.rstrip("/"))
+
+    # The transport's calls under the names the request path and control verbs below use.
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        return self._transport.http
+
+    @_http.setter
+    def _http(self, http: httpx.AsyncClient) -> None:
+        self._transport.http = http
+
+    @property
+    def _open_sends(self) -> dict[str, set[asyncio.Future]]:
+        return self._transport.open_sends
+
+    def _mark_unhealthy(self, url: str, why: str) -> None:
+        self._transport.mark_unhealthy(url, why)
+
+    async def _call(self, url: str, path: str, payload: dict[str, Any] | None = None, **kw: Any) -> Any:
+        return await self._transport.call(url, path, payload, **kw)
+
+    async def _broadcast(self, path: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+        return await self._transport.broadcast(path, payload, **kw)
 
     async def _wait_for_engine(self) -> None:
         deadline = time.monotonic() + self.engine_wait_s
         while not self._router.healthy() and time.monotonic() < deadline:
             await asyncio.sleep(0.25)
-
-    def _mark_unhealthy(self, url: str, why: str) -> None:
-        if url in self._router.inflight and self._router.is_healthy(url):
-            logger.warning("engine %s marked unhealthy: %s", url, why)
-            self._router.mark_unhealthy(url)
-
-    async def _send_tracked(self, method: str, url: str, path: str, payload: dict[str, Any] | None,
-                            timeout: float) -> httpx.Response:
-        """``_send`` to one engine, cut short by ``remove_engine``. Written by hand because httpx has no
-        per-host cancellation: once the supervisor has judged an engine hung (~21 s), a weight push or a
-        turn waiting on it must not hold on for the rest of its timeout (120 s to 10 min)."""
-        task = asyncio.ensure_future(self._send(method, url, path, payload, timeout))
-        self._open_sends.setdefault(url, set()).add(task)
-        try:
-            return await task
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if task in self._cut and (me is None or not me.cancelling()):
-                raise _TakenOut(f"{url}{path}: the engine was taken out of service (dead or hung) "
-                                "while this request waited", url=url) from None
-            raise
-        finally:
-            self._cut.discard(task)
-            open_sends = self._open_sends.get(url)
-            if open_sends is not None:
-                open_sends.discard(task)
-
-    async def _send(self, method: str, url: str, path: str, payload: dict[str, Any] | None,
-                    timeout: float) -> httpx.Response:
-        """One HTTP exchange with connect-only retries; raises _NeverAccepted, EngineUnavailable, EngineTimeout."""
-        for attempt in range(self.max_connect_retries + 1):
-            try:
-                return await self._http.request(method, url + path, json=payload, timeout=timeout)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if attempt == self.max_connect_retries:
-                    raise _NeverAccepted(f"{url}{path}: cannot connect after {attempt + 1} attempts: "
-                                         f"{exc!r}") from exc
-                await asyncio.sleep(self.retry_backoff_s * 2 ** attempt)
-            except httpx.TimeoutException as exc:
-                raise EngineTimeout(f"{url}{path}: no reply within {timeout} s", url=url) from exc
-            except httpx.TransportError as exc:
-                raise EngineUnavailable(f"{url}{path}: connection lost mid-request: {exc!r}", url=url) from exc
-        raise AssertionError("unreachable")
-
-    def _check(self, resp: httpx.Response, url: str, path: str, payload: dict[str, Any] | None,
-               expect_json: bool) -> Any:
-        if not 200 <= resp.status_code < 300:
-            body = resp.text
-            raise EngineReplyError(f"{url}{path} answered HTTP {resp.status_code}: {truncate(body)}",
-                                   url=url, status_code=resp.status_code, body=truncate(body))
-        data: Any = None
-        if resp.content:
-            try:
-                data = resp.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                if expect_json:
-                    raise EngineReplyError(f"{url}{path} answered HTTP {resp.status_code} with a body that "
-                                           f"is not JSON: {truncate(resp.text)}", url=url,
-                                           status_code=resp.status_code, body=truncate(resp.text)) from None
-        elif expect_json:
-            raise EngineReplyError(f"{url}{path} answered with an empty body", url=url,
-                                   status_code=resp.status_code)
-        if self.on_exchange is not None:
-            self.on_exchange(path, payload, data)
-        return data
-
-    async def _call(self, url: str, path: str, payload: dict[str, Any] | None = None, *,
-                    method: str = "POST", expect_json: bool = False, timeout: float | None = None) -> Any:
-        """A control/info call to one engine; an unreachable engine is marked unhealthy."""
-        try:
-            resp = await self._send_tracked(method, url, path, payload, timeout or self.control_timeout_s)
-        except _NeverAccepted as exc:
-            self._mark_unhealthy(url, str(exc))
-            raise EngineUnavailable(str(exc), url=url) from None
-        except EngineUnavailable as exc:
-            self._mark_unhealthy(url, str(exc))
-            raise
-        except EngineTimeout as exc:  # a control call never takes this long: the engine hangs (e.g. SIGSTOP)
-            self._mark_unhealthy(url, str(exc))
-            raise EngineUnavailable(f"{exc} (engine hung: left out until it is healthy again)", url=url) from None
-        return self._check(resp, url, path, payload, expect_json)
-
-    async def _broadcast(self, path: str, payload: dict[str, Any] | None = None, *, method: str = "POST",
-                         expect_json: bool = False, timeout: float | None = None) -> dict[str, Any]:
-        """The same control call to every healthy engine at once; {url: reply}.
-
-        Engines that cannot be reached are marked unhealthy and skipped; any
-        other error is raised after all calls finished.
-        """
-        urls = self.healthy_urls()
-        if not urls:
-            raise EngineUnavailable(f"{path}: no healthy engine among {self.engine_urls}")
-        results = await asyncio.gather(
-            *(self._call(u, path, payload, method=method, expect_json=expect_json, timeout=timeout)
-              for u in urls), return_exceptions=True)
-        replies, errors = {}, []
-        for url, res in zip(urls, results):
-            if isinstance(res, EngineUnavailable):
-                continue
-            if isinstance(res, BaseException):
-                errors.append(res)
-            else:
-                replies[url] = res
-        if errors:
-            raise errors[0]
-        if not replies:
-            raise EngineUnavailable(f"{path}: every engine failed ({urls})")
-        return replies
 
     # ------------------------------------------------------------------ data
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
@@ -271,11 +167,11 @@ class RolloutClient:
                 continue
             try:
                 return await self._generate_at(url, payload, rid, return_routed_experts, via_router=False)
-            except _NeverAccepted as exc:
+            except NeverAccepted as exc:
                 # Never accepted: marking it unhealthy and failing over cannot duplicate work.
                 self._mark_unhealthy(url, str(exc))
                 tried.add(url)
-            except _TakenOut:  # removed while waiting (its process is killed or it hangs): its reply
+            except TakenOut:  # removed while waiting (its process is killed or it hangs): its reply
                 tried.add(url)  # will never be used, so the turn is sent to another engine
 
     async def _generate_at(self, url: str, payload: dict[str, Any], rid: str, want_routed: bool,
@@ -284,9 +180,9 @@ class RolloutClient:
             self._router.acquire(rid, url)
         start = time.perf_counter()
         try:
-            resp = await (self._send("POST", url, "/generate", payload, self.timeout_s) if via_router else
-                          self._send_tracked("POST", url, "/generate", payload, self.timeout_s))
-        except _NeverAccepted as exc:
+            resp = await (self._transport.send("POST", url, "/generate", payload, self.timeout_s) if via_router
+                          else self._transport.send_tracked("POST", url, "/generate", payload, self.timeout_s))
+        except NeverAccepted as exc:
             if via_router:
                 raise EngineUnavailable(f"router unreachable: {exc}", url=url) from None
             raise
@@ -300,7 +196,7 @@ class RolloutClient:
         finally:
             if not via_router:
                 self._router.release(url)
-        reply = self._check(resp, url, "/generate", payload, expect_json=True)
+        reply = self._transport.check(resp, url, "/generate", payload, expect_json=True)
         return parse_generate_reply(reply, rid=rid, engine_url=url, latency_s=time.perf_counter() - start,
                                     routed_experts_layout=self.routed_experts_layout,
                                     want_routed_experts=want_routed, prompt_len=len(payload["input_ids"]))

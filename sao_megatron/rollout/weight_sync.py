@@ -18,7 +18,7 @@ transport from ``rollout.weight_sync``:
   ``weight_sync_distributed.py``.
 
 Both are called the same way on every trainer rank (``collective=True``) with
-this rank's share of the export (``training.export.iter_owned_hf_tensors``):
+this rank's share of the export (``training.run.export.iter_owned_hf_tensors``):
 ``connect(engine_urls, is_sender=...)`` once, ``push(owned, version, paused=...)``
 per step, ``reconnect(url)`` for a restarted engine, ``close()``. With
 ``collective=False`` a disk sync runs in rank 0 alone (a rank-0 stream).

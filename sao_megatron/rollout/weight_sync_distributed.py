@@ -1,7 +1,7 @@
 """``rollout.weight_sync=distributed``: every owner of a slice of the weights sends it over its own groups.
 
 Called on EVERY trainer rank (collectively). A *sender* is a rank that owns
-tensors of the export (``training.export.iter_owned_hf_tensors``: TP shards
+tensors of the export (``training.run.export.iter_owned_hf_tensors``: TP shards
 gathered inside their TP group, each PP stage and each EP rank with global
 expert ids). Each sender joins one SGLang update group per engine
 (``{prefix}_r{rank}_e{engine}``: the sender is group rank 0, the engine's ranks

@@ -24,7 +24,7 @@ Definitions (B = ``sched_cfg.batch_size``, η = ``max_staleness``, v = trainer v
 - ``sync`` mode: episodes are admitted only while a ``next_batch`` call waits, up to the batch it
   asked for (no generation while the trainer trains).
 
-Every method must run on the scheduler's event loop (the trainer uses ``training.async_bridge``).
+Every method must run on the scheduler's event loop (the trainer uses ``training.run.async_bridge``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -41,7 +40,9 @@ from sao_megatron.envs import build_reward_schedule
 from sao_megatron.envs.base import Prompt, Task
 from sao_megatron.envs.rewards import RewardPool, RewardSchedule
 from sao_megatron.rollout.types import EngineError, SamplingParams
+from sao_megatron.scheduler.admission import AdmissionBudget
 from sao_megatron.scheduler.episode import Episode, EpisodeDiscarded, EpisodeRunner
+from sao_megatron.scheduler.finished import FinishedQueue
 from sao_megatron.scheduler.prompts import PromptCursor, PromptRef
 from sao_megatron.scheduler.sample import Sample
 from sao_megatron.scheduler.stats import RolloutStats
@@ -103,17 +104,12 @@ class AsyncScheduler:
                                     return_routed_experts=return_routed_experts,
                                     max_engine_retries=max_engine_retries, retry_backoff_s=retry_backoff_s)
         self._cursor = PromptCursor(len(self.prompts), seed=seed, shuffle=shuffle)
-        self._fifo: deque[list[Sample]] = deque()
-        self._dropped: list[tuple[Sample, int]] = []  # (sample, version at which it was dropped) for the audit
-        self._unit_versions: dict[int, int] = {}  # id(FIFO unit) -> its oldest version (a pass over its tokens)
+        self._fifo = FinishedQueue(sched_cfg.consume_order, sched_cfg.max_staleness)
         self._fifo_event = asyncio.Event()
         self._units: dict[int, _Unit] = {}
         self._episodes: dict[int, Episode] = {}
-        self.num_started = 0
-        self._base_started, self._base_version = 0, version
-        self._in_flight = 0
+        self._budget = AdmissionBudget(sched_cfg, group_size=self.group_size, mode=self.mode, version=version)
         self._next_uid = self._next_gid = 0
-        self._sync_request: int | None = None
         self._update_lock = asyncio.Lock()
         self._consecutive_failures = 0
         self._fatal: BaseException | None = None
@@ -127,6 +123,19 @@ class AsyncScheduler:
     @version.setter
     def version(self, value: int) -> None:
         self._served.version = int(value)
+
+    @property
+    def num_started(self) -> int:
+        """Episodes admitted whose sample may still be trained on (see the module docstring)."""
+        return self._budget.num_started
+
+    @num_started.setter
+    def num_started(self, value: int) -> None:
+        self._budget.num_started = value
+
+    @property
+    def _in_flight(self) -> int:
+        return self._budget.in_flight
 
     @classmethod
     def from_config(cls, client, task: Task, sched_cfg: SchedulerConfig, data_cfg: DataConfig,
@@ -180,18 +189,12 @@ class AsyncScheduler:
     # ------------------------------------------------------------------ admission
     def admission_limit(self) -> int:
         """Largest ``num_started`` allowed now: ``(v + η + 1)·B`` (rebased, see module docstring)."""
-        return self._base_started + (self.version - self._base_version + self.cfg.max_staleness + 1) * self.cfg.batch_size
+        return self._budget.limit(self.version)
 
     def _can_admit(self) -> bool:
-        g = self.group_size
         if not self._running or self._stopping or self._fatal or not self._gate.is_set():
             return False
-        if self._in_flight + g > self.cfg.concurrency:
-            return False
-        if self.mode == "sync":
-            return (self._sync_request is not None
-                    and self.num_started + g <= self._stats.counters["trained"] + self._sync_request)
-        return self.num_started + g <= self.admission_limit()
+        return self._budget.allows_unit(self.version, self._stats.counters["trained"])
 
     def _admit(self) -> None:
         while self._can_admit():
@@ -205,8 +208,7 @@ class AsyncScheduler:
                 self._next_uid += 1
                 self._episodes[ep.uid] = ep
                 unit.tasks.append(asyncio.create_task(self._run_episode(unit, ep), name=f"episode-{ep.uid}"))
-            self.num_started += self.group_size
-            self._in_flight += self.group_size
+            self._budget.started()
             self._stats.add("admitted", self.group_size)
 
     def set_version(self, version: int) -> None:
@@ -216,7 +218,7 @@ class AsyncScheduler:
 
     def reset_admission_budget(self) -> None:
         """Count admissions afresh from now (after batches consumed without a policy update)."""
-        self._base_started, self._base_version = self._stats.counters["trained"], self.version
+        self._budget.rebase(self._stats.counters["trained"], self.version)
         self._admit()
 
     # ------------------------------------------------------------------ episodes
@@ -241,7 +243,7 @@ class AsyncScheduler:
             self._abandon(unit, "failed")
         finally:
             self._episodes.pop(ep.uid, None)
-            self._in_flight -= 1
+            self._budget.in_flight -= 1
             if not self._stopping:
                 self._admit()
                 if self._in_flight == 0 or self.cfg.consume_order == "wait_oldest":
@@ -315,15 +317,15 @@ class AsyncScheduler:
             raise RuntimeError("AsyncScheduler.next_batch before start()")
         taken: list[list[Sample]] = []
         if self.mode == "sync":
-            self._sync_request = size
+            self._budget.sync_request = size
             self._admit()
         try:
             await self._collect(taken, size)
         except BaseException:
-            self._fifo.extendleft(reversed(taken))  # a cancelled call loses nothing
+            self._fifo.put_back(taken)  # a cancelled call loses nothing
             raise
         finally:
-            self._sync_request = None
+            self._budget.sync_request = None
         samples = [s for unit in taken for s in unit]
         now = time.time()
         for s in samples:
@@ -337,53 +339,22 @@ class AsyncScheduler:
         while n < size:
             if self._fatal is not None:
                 raise RuntimeError(f"rollout failed: {self._fatal}") from self._fatal
-            if not self._ready(size - n):
+            if not self._fifo.ready(size - n, self.version, (ep.admitted_version for ep in self._episodes.values())):
                 self._check_progress(size - n)
                 self._fifo_event.clear()
                 await self._fifo_event.wait()
                 continue
-            unit = self._pop()
-            if self._is_stale(unit):
+            unit = self._fifo.pop(self.version)
+            if self._fifo.is_stale(unit, self.version):
                 self._drop_stale(unit)
                 continue
             taken.append(unit)
             n += len(unit)
 
-    def _unit_version(self, unit: list[Sample]) -> int:
-        """The unit's oldest action-token version (the trainer's version for a unit without actions),
-        computed once per unit while it is in the FIFO (it reads every token)."""
-        key = id(unit)
-        if key not in self._unit_versions:
-            versions = [v for v in (s.oldest_version() for s in unit) if v is not None]
-            self._unit_versions[key] = min(versions) if versions else self.version
-        return self._unit_versions[key]
-
-    def _ready(self, missing: int) -> bool:
-        """Whether a unit may be taken now. ``wait_oldest``: not while an in-flight episode that would be
-        stale at the next batch (admitted at ``≤ v − η``) could still take one of the ``missing`` places."""
-        if not self._fifo:
-            return False
-        if self.cfg.consume_order != "wait_oldest":
-            return True
-        at_risk = self.version - self.cfg.max_staleness
-        if not any(ep.admitted_version <= at_risk for ep in self._episodes.values()):
-            return True
-        return sum(len(u) for u in self._fifo if self._unit_version(u) <= at_risk) >= missing
-
-    def _pop(self) -> list[Sample]:
-        if self.cfg.consume_order == "fifo":
-            return self._fifo.popleft()
-        i = min(range(len(self._fifo)), key=lambda k: self._unit_version(self._fifo[k]))  # first of the oldest
-        unit = self._fifo[i]
-        del self._fifo[i]
-        self._unit_versions.pop(id(unit), None)
-        return unit
-
     def take_dropped(self) -> list[tuple[Sample, int]]:
         """The samples dropped as stale since the last call, each with the trainer version it was dropped
         at (for the run's audit; their prompts were re-queued)."""
-        out, self._dropped = self._dropped, []
-        return out
+        return self._fifo.take_dropped()
 
     def _check_progress(self, missing: int) -> None:
         if self._in_flight == 0 and self._gate.is_set() and not self._can_admit():
@@ -393,16 +364,12 @@ class AsyncScheduler:
                 f"{self.version}. Call on_weights_updated()/set_version() after each policy update, or "
                 "reset_admission_budget() when consuming batches without one (value pretraining).")
 
-    def _is_stale(self, unit: list[Sample]) -> bool:
-        floor = self.version - self.cfg.max_staleness
-        return any(s.oldest_version() is not None and s.oldest_version() < floor for s in unit)
-
     def _drop_stale(self, unit: list[Sample]) -> None:
         s = unit[0]
         self.num_started -= len(unit)
         self._stats.add("dropped_stale", len(unit))
         self._stats.observe_dropped(unit, self.version)
-        self._dropped.extend((x, self.version) for x in unit)
+        self._fifo.record_dropped(unit, self.version)
         self._cursor.requeue(PromptRef(s.epoch, s.index, s.attempt))
         self._admit()
 
@@ -446,8 +413,8 @@ class AsyncScheduler:
         in_flight = sorted(self._units.values(), key=lambda u: u.group_id)
         cursor["requeued"] += [[u.ref.epoch, u.ref.index, u.ref.attempt + 1] for u in in_flight if not u.dead]
         return {"version": self.version, "cursor": cursor, "counters": dict(self._stats.counters),
-                "fifo": [[s.to_dict() for s in unit] for unit in self._fifo],
-                "base": [self._base_started, self._base_version], "next_uid": self._next_uid,
+                "fifo": self._fifo.state(),
+                "base": [self._budget.base_started, self._budget.base_version], "next_uid": self._next_uid,
                 "next_gid": self._next_gid, "mode": self.mode, "group_size": self.group_size}
 
     def load_state_dict(self, state: dict) -> None:
@@ -459,11 +426,10 @@ class AsyncScheduler:
         self.version = state["version"]
         self._cursor.load_state_dict(state["cursor"])
         self._stats.counters.update(state["counters"])
-        self._fifo = deque([Sample.from_dict(d) for d in unit] for unit in state["fifo"])
-        self._unit_versions.clear()
-        self._base_started, self._base_version = state["base"]
+        self._fifo.load(state["fifo"])
+        self._budget.rebase(*state["base"])
         self._next_uid, self._next_gid = state["next_uid"], state["next_gid"]
-        self.num_started = self._stats.counters["trained"] + sum(len(u) for u in self._fifo)
+        self.num_started = self._stats.counters["trained"] + self._fifo.num_samples()
         if self._fifo:
             self._fifo_event.set()
 
@@ -477,7 +443,7 @@ class AsyncScheduler:
         out.update({
             "rollout/version": float(self.version), "rollout/num_started": float(self.num_started),
             "rollout/admission_limit": float(self.admission_limit()),
-            "rollout/fifo_samples": float(sum(len(u) for u in self._fifo)),
+            "rollout/fifo_samples": float(self._fifo.num_samples()),
             "rollout/in_flight": float(self._in_flight),
             "rollout/generating": float(sum(ep.generating for ep in self._episodes.values())),
             "rollout/pending_groups": float(sum(bool(u.samples) for u in self._units.values())),

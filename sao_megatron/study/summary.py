@@ -33,7 +33,7 @@ RUN_KEYS = ("heldout_pass_at_1", "heldout_gain", "final_reward", "reward_gain", 
 
 
 def _read(run_dir: pathlib.Path) -> list[dict]:
-    from sao_megatron.training.metrics_log import read_metrics
+    from sao_megatron.training.run.metrics_log import read_metrics
 
     return read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
 

@@ -16,7 +16,7 @@ import zlib
 import pytest
 from megatron_launch import run_json
 
-from sao_megatron.training.manifest import (MANIFEST, CorruptCheckpointError, check_checkpoint, find_resumable,
+from sao_megatron.training.run.manifest import (MANIFEST, CorruptCheckpointError, check_checkpoint, find_resumable,
                                             verify_manifest)
 
 pytestmark = pytest.mark.component

@@ -38,7 +38,7 @@ def _setup_optimizer_on_cuda(monkeypatch, *, fused_adam: bool) -> None:
     stubbed out (no process groups needed)."""
     from megatron.core.optimizer import distrib_optimizer
 
-    from sao_megatron.training import optim
+    from sao_megatron.training.step import optim
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", fused_adam)

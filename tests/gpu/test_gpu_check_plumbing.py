@@ -116,8 +116,8 @@ for name in ("numba", "llvmlite", "scipy"):
     sys.modules[name] = None  # import fails as if not installed
 import random
 import torch
-import sao_megatron.cli, sao_megatron.training.trainer, sao_megatron.training.rl_step
-import sao_megatron.rollout.engine.server, sao_megatron.training.parity, sao_megatron.launch.planner_cli
+import sao_megatron.cli, sao_megatron.training.run.trainer, sao_megatron.training.step.rl_step
+import sao_megatron.rollout.engine.server, sao_megatron.training.verbs.parity, sao_megatron.launch.planner_cli
 sys.path.insert(0, sys.argv[1])
 import algo_reference as ref
 from sao_megatron.algorithms.advantages import gae, gae_impl_for

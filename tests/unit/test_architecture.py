@@ -302,10 +302,47 @@ def test_imports_only_point_down_the_floors():
 def test_floor_check_catches_an_upward_type_checking_import(monkeypatch):
     fake = LIB / "models" / "__floor_probe__.py"
     source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-              "    from sao_megatron.training.batch import LocalBatch\n")
+              "    from sao_megatron.training.step.batch import LocalBatch\n")
     monkeypatch.setattr(pathlib.Path, "read_text", lambda self, *a, **k: source)
     found = floor_violations([fake])
-    assert found and found[0] == f"{rel(fake)}:3 imports sao_megatron.training.batch (floor 5 from floor 3)"
+    assert found and found[0] == f"{rel(fake)}:3 imports sao_megatron.training.step.batch (floor 5 from floor 3)"
+
+
+# Inside training/ the rooms stack the same way: the step core knows nothing of a run, and the
+# run lifecycle nothing of the verbs that start it.
+TRAINING_ROOMS = ["step", "run", "verbs"]
+
+
+def room_violations(files: list[pathlib.Path]) -> list[str]:
+    bad = []
+    for path in files:
+        parts = path.relative_to(LIB).parts
+        if parts[0] != "training" or len(parts) < 3:
+            continue
+        own = TRAINING_ROOMS.index(parts[1])
+        for line, mod in imported_modules(parse(path)) + dynamic_imports(parse(path)):
+            target = mod.split(".")
+            if target[:2] == ["sao_megatron", "training"] and len(target) > 2 and target[2] in TRAINING_ROOMS:
+                if TRAINING_ROOMS.index(target[2]) > own:
+                    bad.append(f"{rel(path)}:{line} imports {mod} (training/{target[2]} above training/{parts[1]})")
+    return bad
+
+
+def test_training_rooms_import_only_downwards():
+    rooms = {p.name for p in (LIB / "training").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    loose = sorted(p.name for p in (LIB / "training").glob("*.py") if p.name != "__init__.py")
+    assert rooms == set(TRAINING_ROOMS) and not loose, f"training/ holds rooms {TRAINING_ROOMS} only: {rooms}, {loose}"
+    bad = room_violations(lib_files())
+    assert not bad, "an import runs up the rooms of training/:\n" + "\n".join(bad)
+
+
+def test_room_check_catches_the_step_core_importing_the_run(monkeypatch):
+    fake = LIB / "training" / "step" / "__room_probe__.py"
+    source = "from sao_megatron.training.run import trainer\n"
+    monkeypatch.setattr(pathlib.Path, "read_text", lambda self, *a, **k: source)
+    found = room_violations([fake])
+    assert found == [f"{rel(fake)}:1 imports sao_megatron.training.run (training/run above training/step)",
+                     f"{rel(fake)}:1 imports sao_megatron.training.run.trainer (training/run above training/step)"]
 
 
 # ---------------------------------------------------------------- 7. every config field is read

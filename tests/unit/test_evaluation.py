@@ -13,7 +13,7 @@ from sao_megatron.envs import build_task
 from sao_megatron.envs.rewards import RewardOutcome
 from sao_megatron.rollout.types import GenerateResult, SamplingParams
 from sao_megatron.algorithms.stats import wilson_interval
-from sao_megatron.training.evaluation import EvalResult, PeriodicEval, evaluate_prompts
+from sao_megatron.training.run.evaluation import EvalResult, PeriodicEval, evaluate_prompts
 
 pytestmark = pytest.mark.unit
 
@@ -112,7 +112,7 @@ def test_eval_section_loads_strictly():
 def test_report_draws_heldout_eval_only_when_present(tmp_path):
     import json
 
-    from sao_megatron.training.report import write_report
+    from sao_megatron.training.verbs.report import write_report
 
     recs = [{"step": i, "reward/mean": 0.1 * i} for i in range(6)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -125,7 +125,7 @@ def test_report_draws_heldout_eval_only_when_present(tmp_path):
     recs[0] |= {"eval_start/pass_at_1": 0.1, "eval_start/ci_low": 0.0, "eval_start/ci_high": 0.3,
                 "eval_start/mean_reward": 0.2}
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    from sao_megatron.training import report
+    from sao_megatron.training.verbs import report
 
     drawn = []
     real = report._eval_figure

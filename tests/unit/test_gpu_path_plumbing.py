@@ -45,7 +45,7 @@ def samples(n: int = 6, vocab: int = 50) -> list[Sample]:
 
 @pytest.mark.parametrize("dp_rank,dp_size", [(0, 1), (1, 2)])
 def test_prepare_batch_puts_every_microbatch_tensor_on_the_device(dp_rank, dp_size):
-    from sao_megatron.training.batch import prepare_batch
+    from sao_megatron.training.step.batch import prepare_batch
 
     batch = prepare_batch(samples(), dp_rank=dp_rank, dp_size=dp_size, pad_multiple=2, max_tokens=16,
                           vocab_size=50, device=META)
@@ -65,8 +65,8 @@ def test_prepare_batch_puts_every_microbatch_tensor_on_the_device(dp_rank, dp_si
 
 def test_outcome_advantages_follow_the_batch_device():
     from sao_megatron.config import AlgorithmConfig
-    from sao_megatron.training import rl_step
-    from sao_megatron.training.batch import prepare_batch
+    from sao_megatron.training.step import rl_step
+    from sao_megatron.training.step.batch import prepare_batch
 
     batch = prepare_batch(samples(8), dp_rank=0, dp_size=1, pad_multiple=1, max_tokens=64, vocab_size=50,
                           device=META)
@@ -82,7 +82,7 @@ class _SeenDevice(Exception):
 
 def test_optimizer_step_reduces_a_tensor_on_ctx_device(monkeypatch):
     """NCCL reduces device tensors only: the loss/finite status must be built on ctx.device."""
-    from sao_megatron.training import optim
+    from sao_megatron.training.step import optim
 
     def all_reduce(t, *a, **k):
         raise _SeenDevice(t.device)
@@ -114,7 +114,7 @@ class _FakeOptimizer:
 
 
 def _step(monkeypatch, optimizer, loss: float):
-    from sao_megatron.training import optim
+    from sao_megatron.training.step import optim
 
     monkeypatch.setattr(optim, "forward_backward", lambda *a, **k: [{"loss": torch.tensor(loss)}])
     monkeypatch.setattr(optim.dist, "all_reduce", lambda t, *a, **k: None)
@@ -124,7 +124,7 @@ def _step(monkeypatch, optimizer, loss: float):
 
 
 def test_scaler_skips_are_not_non_finite_steps(monkeypatch):
-    from sao_megatron.training.optim import NonFiniteGuard
+    from sao_megatron.training.step.optim import NonFiniteGuard
 
     guard = NonFiniteGuard(max_steps=3)
     for step in range(6):  # Megatron's dynamic scaler starts at 2**32: the first steps overflow by design
@@ -135,7 +135,7 @@ def test_scaler_skips_are_not_non_finite_steps(monkeypatch):
 
 
 def test_real_non_finite_steps_still_stop_the_run(monkeypatch):
-    from sao_megatron.training.optim import NonFiniteGuard, NonFiniteLossError
+    from sao_megatron.training.step.optim import NonFiniteGuard, NonFiniteLossError
 
     guard = NonFiniteGuard(max_steps=3)
     nan_loss = _step(monkeypatch, _FakeOptimizer(scaler=True, outcome=(True, 1.0, None)), loss=math.nan)
@@ -149,7 +149,7 @@ def test_real_non_finite_steps_still_stop_the_run(monkeypatch):
 
 
 def test_chained_optimizer_scaler_is_found():
-    from sao_megatron.training.optim import uses_loss_scaler
+    from sao_megatron.training.step.optim import uses_loss_scaler
 
     chained = SimpleNamespace(chained_optimizers=[_FakeOptimizer(False, None), _FakeOptimizer(True, None)])
     assert uses_loss_scaler(chained) and not uses_loss_scaler(_FakeOptimizer(False, None))

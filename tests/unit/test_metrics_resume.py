@@ -11,7 +11,7 @@ import json
 import pytest
 
 from sao_megatron.config import LoggingConfig
-from sao_megatron.training.metrics_log import MetricsLogger
+from sao_megatron.training.run.metrics_log import MetricsLogger
 
 pytestmark = pytest.mark.unit
 

@@ -15,9 +15,9 @@ from sao_megatron.algorithms import losses as loss_lib
 from sao_megatron.algorithms.objectives import OBJECTIVES
 from sao_megatron.config import AlgorithmConfig, from_dict
 from sao_megatron.scheduler.sample import Sample
-from sao_megatron.training import rl_step
-from sao_megatron.training.batch import prepare_batch
-from sao_megatron.training.optim import UpdateResult
+from sao_megatron.training.step import rl_step
+from sao_megatron.training.step.batch import prepare_batch
+from sao_megatron.training.step.optim import UpdateResult
 
 pytestmark = pytest.mark.unit
 V = 16

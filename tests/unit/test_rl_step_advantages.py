@@ -10,8 +10,8 @@ import torch
 from sao_megatron.config import AlgorithmConfig
 from sao_megatron.config.schema import GaeConfig
 from sao_megatron.scheduler.sample import Sample
-from sao_megatron.training import rl_step
-from sao_megatron.training.batch import prepare_batch
+from sao_megatron.training.step import rl_step
+from sao_megatron.training.step.batch import prepare_batch
 
 pytestmark = pytest.mark.unit
 

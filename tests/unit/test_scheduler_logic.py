@@ -668,8 +668,8 @@ def test_engines_that_all_die_during_a_push_leave_the_weights_recorded(tmp_path,
     from sao_megatron.config import ExperimentConfig
     from sao_megatron.config.schema import DataConfig, RolloutConfig
     from sao_megatron.rollout.recovery import CurrentWeights
-    from sao_megatron.training.publisher import WeightPublisher
-    from sao_megatron.training.rollout_side import RolloutSide
+    from sao_megatron.training.run.publisher import WeightPublisher
+    from sao_megatron.training.run.rollout_side import RolloutSide
 
     class DiesOnPause(FakeClient):
         async def pause_generation(self, mode="retract"):

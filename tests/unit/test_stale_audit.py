@@ -10,8 +10,8 @@ import pytest
 
 from sao_megatron.scheduler.sample import Sample
 from sao_megatron.scheduler.stats import stale_drop_by_length
-from sao_megatron.training.report import stale_drop_summary
-from sao_megatron.training.run_state import RunState
+from sao_megatron.training.verbs.report import stale_drop_summary
+from sao_megatron.training.run.run_state import RunState
 
 pytestmark = pytest.mark.unit
 

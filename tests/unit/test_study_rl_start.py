@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sao_megatron.config import load_config
-from sao_megatron.training.optim import reset_optimizer_state
-from sao_megatron.training.rl_step import PolicySettings, param_snapshot, update_norm
+from sao_megatron.training.step.optim import reset_optimizer_state
+from sao_megatron.training.step.rl_step import PolicySettings, param_snapshot, update_norm
 
 pytestmark = pytest.mark.unit
 BASE = "configs/experiments/tool_chain_cpu.yaml"
@@ -62,10 +62,10 @@ def test_reset_optimizer_state_makes_the_next_steps_a_fresh_optimizers(chained):
 
 
 def test_initial_weights_resets_the_actor_optimizer_only_when_the_config_says_so(monkeypatch):
-    from sao_megatron.training import components
+    from sao_megatron.training.run import components
 
     calls = []
-    monkeypatch.setattr("sao_megatron.training.optim.reset_optimizer_state", calls.append)
+    monkeypatch.setattr("sao_megatron.training.step.optim.reset_optimizer_state", calls.append)
     for flag in (False, True):
         cfg = load_config(BASE, ["run.sft_steps=0", f"actor.reset_optimizer_before_rl={str(flag).lower()}"])
         actor = types.SimpleNamespace(optimizer=object(), chunks=[])

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from sao_megatron.config import LoggingConfig
-from sao_megatron.training.async_bridge import AsyncBridge
-from sao_megatron.training.metrics_log import MetricsLogger, read_metrics
-from sao_megatron.training.microbatch import plan_microbatches, round_up, slice_padded
-from sao_megatron.training.run_state import CheckpointManager, capture_rng, restore_rng
+from sao_megatron.training.run.async_bridge import AsyncBridge
+from sao_megatron.training.run.metrics_log import MetricsLogger, read_metrics
+from sao_megatron.training.step.microbatch import plan_microbatches, round_up, slice_padded
+from sao_megatron.training.run.run_state import CheckpointManager, capture_rng, restore_rng
 
 pytestmark = pytest.mark.unit
 
@@ -92,7 +92,7 @@ def test_metrics_logger_jsonl_and_resume_dedup(tmp_path):
 
 
 def test_report_writes_pngs(tmp_path):
-    from sao_megatron.training.report import write_report
+    from sao_megatron.training.verbs.report import write_report
 
     logger = MetricsLogger(tmp_path, LoggingConfig(log_interval=0), run_name="t")
     for step in range(12):
@@ -144,7 +144,7 @@ def test_tensorboard_and_wandb_offline_sinks(tmp_path, monkeypatch):
 
 def test_token_ids_outside_the_vocabulary_stop_the_update():
     from sao_megatron.errors import SaoError
-    from sao_megatron.training.batch import check_token_ids
+    from sao_megatron.training.step.batch import check_token_ids
 
     check_token_ids(torch.tensor([[0, 5, 99]]), vocab_size=100)
     check_token_ids(torch.zeros(0, 3, dtype=torch.long), vocab_size=100)

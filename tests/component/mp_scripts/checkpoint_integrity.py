@@ -36,10 +36,10 @@ def main(out_path: str, workdir: str) -> None:
     from sao_megatron.config.schema import ModelConfig, OptimizerConfig, ParallelConfig
     from sao_megatron.parallel import cpu_support
     from sao_megatron.models.builder import build_model_chunks
-    from sao_megatron.training.checkpoint import (CheckpointSaves, load_checkpoint, publish_checkpoint,
+    from sao_megatron.training.run.checkpoint import (CheckpointSaves, load_checkpoint, publish_checkpoint,
                                                   save_checkpoint)
     from sao_megatron.parallel.bootstrap import destroy, init_distributed
-    from sao_megatron.training.optim import setup_optimizer, optimizer_step
+    from sao_megatron.training.step.optim import setup_optimizer, optimizer_step
 
     tiny = ModelConfig(**TINY)
     cpu_support.apply_cpu_shims()

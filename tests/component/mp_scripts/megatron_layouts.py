@@ -32,10 +32,10 @@ from sao_megatron.config.schema import CriticConfig, ModelConfig, OptimizerConfi
 from sao_megatron.models.actor import token_logprobs
 from sao_megatron.models.builder import build_model_chunks
 from sao_megatron.models.critic import freeze_for_critic, init_critic_from_actor, token_values
-from sao_megatron.training.checkpoint import load_checkpoint, save_checkpoint
+from sao_megatron.training.run.checkpoint import load_checkpoint, save_checkpoint
 from sao_megatron.parallel.bootstrap import destroy, init_distributed
-from sao_megatron.training.forward import forward_backward
-from sao_megatron.training.optim import setup_optimizer, optimizer_step
+from sao_megatron.training.step.forward import forward_backward
+from sao_megatron.training.step.optim import setup_optimizer, optimizer_step
 
 MODEL = ModelConfig(
     family="glm4_moe", num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -187,7 +187,7 @@ def run_layout(name: str, workdir: str, mbs, results, ref) -> None:
 def run_resume(workdir: str, mbs, results) -> None:
     """2 critic steps at TP2×EP2+SP, save critic+optimizer; resume at TP1 EP2 DP4 for the 3rd step.
 
-    (Optimizer state reshards between layouts that both have EP > 1: see training.checkpoint.)
+    (Optimizer state reshards between layouts that both have EP > 1: see training.run.checkpoint.)
     """
     ctx = init_distributed(layout("tp2_ep2_sp"), seed=SEED)
     actor = build_model_chunks(MODEL, ctx)

@@ -20,12 +20,12 @@ from sao_megatron.parallel import cpu_support
 from sao_megatron.models.actor import token_logprobs
 from sao_megatron.models.builder import build_model_chunks, padded_vocab_size
 from sao_megatron.models.critic import PARAM_GROUPS, freeze_for_critic, param_group, token_values
-from sao_megatron.training.checkpoint import load_checkpoint, save_checkpoint
+from sao_megatron.training.run.checkpoint import load_checkpoint, save_checkpoint
 from sao_megatron.parallel.bootstrap import destroy, init_distributed
-from sao_megatron.training.forward import compute_logprobs, compute_values
-from sao_megatron.training.models import TrainedModel
-from sao_megatron.training.offload import grad_buffer_bytes, park, resident
-from sao_megatron.training.optim import setup_optimizer, optimizer_step
+from sao_megatron.training.step.forward import compute_logprobs, compute_values
+from sao_megatron.training.run.models import TrainedModel
+from sao_megatron.training.step.offload import grad_buffer_bytes, park, resident
+from sao_megatron.training.step.optim import setup_optimizer, optimizer_step
 
 GLM = ModelConfig(
     family="glm4_moe", num_layers=3, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,

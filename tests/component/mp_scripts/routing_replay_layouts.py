@@ -24,8 +24,8 @@ from sao_megatron.config.schema import ModelConfig, ParallelConfig
 from sao_megatron.models.builder import build_model_chunks
 from sao_megatron.models.routing_replay import attach_route_replay, route_metrics
 from sao_megatron.parallel.bootstrap import destroy, init_distributed
-from sao_megatron.training.checkpoint import load_checkpoint, save_checkpoint
-from sao_megatron.training.forward import compute_logprobs
+from sao_megatron.training.run.checkpoint import load_checkpoint, save_checkpoint
+from sao_megatron.training.step.forward import compute_logprobs
 
 MODEL = ModelConfig(
     family="glm4_moe", num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,

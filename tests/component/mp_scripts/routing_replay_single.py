@@ -41,7 +41,7 @@ def critic_isolation(c, mb) -> dict:
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     from sao_megatron.models.routing_replay import LayerReplay
-    from sao_megatron.training.forward import compute_values
+    from sao_megatron.training.step.forward import compute_values
 
     plain = compute_values(c.critic.chunks, [{"tokens": mb["tokens"]}], ctx=c.ctx)[0]
     # What megatron's own inference code does process-wide: it must reach neither model.
@@ -59,8 +59,8 @@ def main(out_path: str, workdir: str, config: str) -> None:
     from sao_megatron.config import load_config
     from sao_megatron.models.routing_replay import route_metrics
     from sao_megatron.parallel.bootstrap import destroy
-    from sao_megatron.training.components import build_components
-    from sao_megatron.training.parity import _parity_batch, generate_pairs, parity_gaps
+    from sao_megatron.training.run.components import build_components
+    from sao_megatron.training.verbs.parity import _parity_batch, generate_pairs, parity_gaps
 
     cfg = load_config(config, ["rollout.routing_replay=true", "run.sft_steps=0"])
     c = build_components(cfg)

@@ -20,9 +20,9 @@ from sao_megatron.config.schema import ModelConfig, OptimizerConfig, ParallelCon
 from sao_megatron.models.actor import token_logprobs
 from sao_megatron.models.builder import build_model_chunks
 from sao_megatron.parallel.cpu_support import apply_cpu_shims
-from sao_megatron.training.checkpoint import load_checkpoint, save_checkpoint
+from sao_megatron.training.run.checkpoint import load_checkpoint, save_checkpoint
 from sao_megatron.parallel.bootstrap import destroy, init_distributed
-from sao_megatron.training.optim import setup_optimizer, optimizer_step
+from sao_megatron.training.step.optim import setup_optimizer, optimizer_step
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
                     kv_channels=8, num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,

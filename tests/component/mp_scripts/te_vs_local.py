@@ -15,9 +15,9 @@ import torch
 
 from sao_megatron.config.schema import ModelConfig, ParallelConfig
 from sao_megatron.models.builder import build_model_chunks
-from sao_megatron.training.checkpoint import load_checkpoint, save_checkpoint, sharded_model_state
+from sao_megatron.training.run.checkpoint import load_checkpoint, save_checkpoint, sharded_model_state
 from sao_megatron.parallel.bootstrap import destroy, init_distributed
-from sao_megatron.training.forward import compute_logprobs
+from sao_megatron.training.step.forward import compute_logprobs
 
 MODEL = ModelConfig(num_layers=3, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                     kv_channels=16, num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1, 1],

@@ -17,8 +17,8 @@ from update_parity import fixed_samples  # noqa: E402
 def main() -> None:
     config, out = sys.argv[1:3]
     from sao_megatron.config import load_config
-    from sao_megatron.training.optim import NonFiniteLossError
-    from sao_megatron.training.trainer import Trainer
+    from sao_megatron.training.step.optim import NonFiniteLossError
+    from sao_megatron.training.run.trainer import Trainer
 
     cfg = load_config(config, ["run.sft_steps=0", "run.max_nan_steps=2"])
     trainer = Trainer(cfg, pathlib.Path(out).parent / "nan_run", resume="never")

@@ -24,7 +24,7 @@ def grouped(vocab: int):
 
 def one_update(config: str, run_dir: pathlib.Path, epochs: int, minibatches: int) -> dict:
     from sao_megatron.config import load_config
-    from sao_megatron.training.trainer import Trainer
+    from sao_megatron.training.run.trainer import Trainer
 
     cfg = load_config(config, ["run.sft_steps=0", "algorithm.name=grpo", "algorithm.group_size=4",
                                "scheduler.batch_size=16", "actor.optimizer.lr=0.05",

@@ -36,8 +36,8 @@ def main() -> None:
     save = "--save" in rest
     overrides = [rest[i + 1] for i, a in enumerate(rest) if a == "--set"]
     from sao_megatron.config import load_config
-    from sao_megatron.training.checkpoint import load_checkpoint, save_checkpoint
-    from sao_megatron.training.trainer import Trainer
+    from sao_megatron.training.run.checkpoint import load_checkpoint, save_checkpoint
+    from sao_megatron.training.run.trainer import Trainer
 
     cfg = load_config(config, ["run.sft_steps=0", *overrides])
     run_dir = pathlib.Path(out).parent / f"run_{pathlib.Path(out).stem}"

@@ -25,7 +25,7 @@ def start_external(trainer, cfg, run_dir: pathlib.Path):
     from sao_megatron.models.families.hf_config import write_hf_template
     from sao_megatron.rollout.launch import LocalEngines
     from sao_megatron.rollout.weight_sync import write_hf_safetensors
-    from sao_megatron.training.components import export_weights
+    from sao_megatron.training.run.components import export_weights
 
     template = write_hf_template(cfg.model, getattr(trainer.c.task, "tokenizer", None), run_dir / "ext_template")
     start = write_hf_safetensors(export_weights(trainer.c), run_dir / "ext_start", template_dir=template)
@@ -41,9 +41,9 @@ def main() -> None:
     external = "--external" in sys.argv[3:]
     overrides = [sys.argv[3:][i + 1] for i, a in enumerate(sys.argv[3:]) if a == "--set"]
     from sao_megatron.config import load_config
-    from sao_megatron.training.components import initial_weights
-    from sao_megatron.training.parity import measure_parity
-    from sao_megatron.training.trainer import Trainer
+    from sao_megatron.training.run.components import initial_weights
+    from sao_megatron.training.verbs.parity import measure_parity
+    from sao_megatron.training.run.trainer import Trainer
 
     cfg = load_config(config, ["run.sft_steps=0", "rollout.weight_sync=distributed", "rollout.num_engines=2",
                                "scheduler.batch_size=8", "scheduler.concurrency=8", "data.num_prompts=200",

@@ -32,8 +32,8 @@ from sao_megatron.models.actor import token_logprobs  # noqa: E402
 from sao_megatron.models.builder import build_model_chunks  # noqa: E402
 from sao_megatron.models.critic import freeze_for_critic, init_critic_from_actor  # noqa: E402
 from sao_megatron.parallel.bootstrap import destroy, init_distributed  # noqa: E402
-from sao_megatron.training.forward import compute_logprobs, compute_values, forward_backward  # noqa: E402
-from sao_megatron.training.optim import setup_optimizer, optimizer_step, zero_grads  # noqa: E402
+from sao_megatron.training.step.forward import compute_logprobs, compute_values, forward_backward  # noqa: E402
+from sao_megatron.training.step.optim import setup_optimizer, optimizer_step, zero_grads  # noqa: E402
 
 BF16 = dataclasses.replace(ml.MODEL, params_dtype="bf16")
 STEPS = 5

@@ -29,7 +29,7 @@ def one_role(config: str, role: str) -> dict:
     from sao_megatron.models.builder import build_model_chunks, count_parameters
     from sao_megatron.models.critic import freeze_for_critic, token_values
     from sao_megatron.parallel.bootstrap import destroy, init_distributed
-    from sao_megatron.training.optim import setup_optimizer, optimizer_step
+    from sao_megatron.training.step.optim import setup_optimizer, optimizer_step
 
     cfg = load_config(config)
     ctx = init_distributed(cfg.parallel, seed=0)

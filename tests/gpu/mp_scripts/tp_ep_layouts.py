@@ -42,7 +42,7 @@ import megatron_layouts as ml  # noqa: E402
 
 from sao_megatron.config.schema import ParallelConfig  # noqa: E402
 from sao_megatron.parallel.bootstrap import init_distributed  # noqa: E402
-from sao_megatron.training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from sao_megatron.training.run.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 LAYOUTS = {
     "ref": ParallelConfig(),

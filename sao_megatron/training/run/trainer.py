@@ -4,7 +4,7 @@ Per step (docs/architecture.md#the-loop): take the first B finished samples → 
 skip-observation GAE → actor DIS step → K critic steps → stream the actor's
 weights to the engines (version + 1). Rank 0 owns the rollout side; every rank
 trains its data-parallel shard of the same batch. Parts are built by
-``training.components``; checkpoints and the audit live in ``training.run_state``.
+``training.run.components``; checkpoints and the audit live in ``training.run.run_state``.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from sao_megatron.config import ExperimentConfig, to_dict, write_resolved
 from sao_megatron.models.routing_replay import route_metrics
 from sao_megatron.parallel.collectives import any_rank, broadcast_object, gather_metrics, rank0_call
 from sao_megatron.scheduler.sample import Sample
-from sao_megatron.training import rl_step
-from sao_megatron.training.batch import LocalBatch, prepare_batch
-from sao_megatron.training.components import Components, build_components, initial_weights
-from sao_megatron.training.evaluation import PeriodicEval
-from sao_megatron.training.metrics_log import MetricsLogger, reward_summary
-from sao_megatron.training.offload import park, resident
-from sao_megatron.training.optim import NonFiniteGuard
-from sao_megatron.training.publisher import WeightPublisher
-from sao_megatron.training.run_state import RunState
-from sao_megatron.training.step_metrics import batch_metrics, value_metrics
+from sao_megatron.training.step import rl_step
+from sao_megatron.training.step.batch import LocalBatch, prepare_batch
+from sao_megatron.training.run.components import Components, build_components, initial_weights
+from sao_megatron.training.run.evaluation import PeriodicEval
+from sao_megatron.training.run.metrics_log import MetricsLogger, reward_summary
+from sao_megatron.training.step.offload import park, resident
+from sao_megatron.training.step.optim import NonFiniteGuard
+from sao_megatron.training.run.publisher import WeightPublisher
+from sao_megatron.training.run.run_state import RunState
+from sao_megatron.training.step.step_metrics import batch_metrics, value_metrics
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Trainer:
         """Train to ``run.num_steps``; returns 0 when done (also after a signal-triggered checkpoint)."""
         self._install_signal_handlers()
         try:
-            from sao_megatron.training.rollout_side import check_reachable
+            from sao_megatron.training.run.rollout_side import check_reachable
 
             rank0_call(lambda: check_reachable(self.cfg.rollout))
             state = self._restore()
@@ -194,7 +194,7 @@ class Trainer:
         return got
 
     def _start_rollout(self, state: dict[str, Any] | None) -> None:
-        from sao_megatron.training.rollout_side import build_rollout_side
+        from sao_megatron.training.run.rollout_side import build_rollout_side
 
         self.rollout = self.publisher.start(
             lambda: build_rollout_side(self.cfg, self.c.task, mode=self.c.mode, run_dir=self.run_dir),

@@ -59,7 +59,7 @@ def _smoke(cfg, ctx, *, steps: int, seq_len: int):
     from sao_megatron.models.actor import token_logprobs
     from sao_megatron.models.builder import build_model_chunks, count_parameters
     from sao_megatron.models.critic import freeze_for_critic, init_critic_from_actor, token_values
-    from sao_megatron.training.optim import optimizer_step, setup_optimizer
+    from sao_megatron.training.step.optim import optimizer_step, setup_optimizer
 
     actor = build_model_chunks(cfg.model, ctx)
     critic = build_model_chunks(cfg.model, ctx, value_head=True)

@@ -15,8 +15,8 @@ import torch
 
 from sao_megatron.errors import SaoError
 from sao_megatron.scheduler.sample import Sample, collate
-from sao_megatron.training.forward import MicroBatch
-from sao_megatron.training.microbatch import plan_microbatches, slice_padded
+from sao_megatron.training.step.forward import MicroBatch
+from sao_megatron.training.step.microbatch import plan_microbatches, slice_padded
 
 PER_TOKEN_KEYS = ("tokens", "action_mask", "rollout_logprobs", "token_rewards", "versions")
 ROUTE_KEYS = ("routed_experts", "route_valid")  # [b, s, num_layers * topk] and [b, s] (models.routing_replay)
@@ -64,7 +64,7 @@ def prepare_batch(samples: list[Sample], *, dp_rank: int, dp_size: int, pad_mult
     """Collate the global batch, check its token ids, and give this DP rank its micro-batches.
 
     Rows are dealt round-robin over length-sorted samples (balanced DP shards), then packed into
-    micro-batches of at most ``max_tokens`` padded tokens (``training.microbatch``), sequence
+    micro-batches of at most ``max_tokens`` padded tokens (``training.step.microbatch``), sequence
     lengths padded to ``pad_multiple`` (the TP size, for sequence parallelism). ``min_microbatches``:
     split micro-batches until there are at least this many (one per mini-batch of a PPO-style update).
     """

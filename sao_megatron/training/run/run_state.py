@@ -123,7 +123,7 @@ class RunState:
 
     def __init__(self, run_dir: pathlib.Path, *, keep_last: int, rank0: bool, offload: bool = False,
                  async_save: bool = False, verify_checksums: bool = True):
-        from sao_megatron.training.checkpoint import CheckpointSaves
+        from sao_megatron.training.run.checkpoint import CheckpointSaves
 
         self.run_dir, self.rank0, self.offload = run_dir, rank0, offload
         self.ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=keep_last)
@@ -138,8 +138,8 @@ class RunState:
         the trainer state and every rank's RNG, published atomically as ``step_N``."""
         import torch.distributed as dist
 
-        from sao_megatron.training.checkpoint import publish_checkpoint, save_checkpoint
-        from sao_megatron.training.offload import resident
+        from sao_megatron.training.run.checkpoint import publish_checkpoint, save_checkpoint
+        from sao_megatron.training.step.offload import resident
 
         self.saves.wait()  # one checkpoint in flight at most (publishing prunes *.partial directories)
         part = self.ckpt.partial_dir(step)
@@ -166,7 +166,7 @@ class RunState:
         returns the trainer state and drops audit lines of the steps rolled back."""
         import torch.distributed as dist
 
-        from sao_megatron.training.checkpoint import load_checkpoint
+        from sao_megatron.training.run.checkpoint import load_checkpoint
 
         state = json.loads((path / "trainer_state.json").read_text())
         for name, model in models.items():
@@ -186,7 +186,7 @@ class RunState:
         skipping corrupt ones with a warning, else ``checkpoint.load``), ``never`` (refuses a run
         directory that already holds checkpoints) or an explicit path (verified: a corrupt one fails
         naming its file)."""
-        from sao_megatron.training.manifest import find_resumable
+        from sao_megatron.training.run.manifest import find_resumable
 
         if resume in ("never", "", None):
             if self.ckpt.latest() is not None:
@@ -198,7 +198,7 @@ class RunState:
         return self._checked(resume)
 
     def _verify(self, path: pathlib.Path) -> None:
-        from sao_megatron.training.checkpoint import verify_checkpoint
+        from sao_megatron.training.run.checkpoint import verify_checkpoint
 
         verify_checkpoint(path, checksums=self.verify_checksums)
 

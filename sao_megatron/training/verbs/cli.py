@@ -42,7 +42,7 @@ def _check_run_dir(path: str) -> pathlib.Path:
 
 def _run_train(args: argparse.Namespace) -> int:
     from sao_megatron.config import load_config
-    from sao_megatron.training.trainer import Trainer
+    from sao_megatron.training.run.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg, _check_run_dir(args.run_dir), resume=args.resume)
@@ -54,9 +54,9 @@ def _run_sft(args: argparse.Namespace) -> int:
 
     from sao_megatron.config import load_config, write_resolved
     from sao_megatron.parallel.bootstrap import destroy
-    from sao_megatron.training.checkpoint import save_checkpoint
-    from sao_megatron.training.components import build_components
-    from sao_megatron.training.sft import supervised_warmup
+    from sao_megatron.training.run.checkpoint import save_checkpoint
+    from sao_megatron.training.run.components import build_components
+    from sao_megatron.training.step.sft import supervised_warmup
 
     cfg = load_config(args.config, args.overrides)
     if cfg.run.sft_steps < 1:

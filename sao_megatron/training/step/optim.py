@@ -23,7 +23,7 @@ from megatron.core.utils import get_model_config
 
 from sao_megatron.config.schema import OptimizerConfig
 from sao_megatron.errors import SaoError
-from sao_megatron.training.forward import LossFn, MicroBatch, forward_backward
+from sao_megatron.training.step.forward import LossFn, MicroBatch, forward_backward
 
 if TYPE_CHECKING:
     from sao_megatron.parallel.bootstrap import ParallelContext
@@ -57,7 +57,7 @@ def wrap_ddp(model_chunks: Sequence[torch.nn.Module], ctx: ParallelContext) -> l
 
 def _finalize_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False, **_):
     # Megatron would divide by the token count it summed from loss_fn (1 per micro-batch here):
-    # our losses are already normalised (training.forward), so pass no count.
+    # our losses are already normalised (training.step.forward), so pass no count.
     finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
 
 

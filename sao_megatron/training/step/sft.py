@@ -16,8 +16,8 @@ from sao_megatron.config import ModelConfig, RunConfig
 from sao_megatron.models.actor import token_logprobs
 from sao_megatron.parallel.collectives import broadcast_object, rank0_call
 from sao_megatron.scheduler.sample import demonstration_sample
-from sao_megatron.training.batch import prepare_batch
-from sao_megatron.training.optim import optimizer_step
+from sao_megatron.training.step.batch import prepare_batch
+from sao_megatron.training.step.optim import optimizer_step
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 Face safetensors exactly as the trainer syncs weights) or an exported HF weight directory
 (``RUN_DIR/weights/vNNNNNN``, served as is). An embedded engine serves the weights; the task's
 held-out problems (``Task.heldout_prompts``) are evaluated one sample each and the result is
-printed as pass@1 and mean reward with 95 % confidence intervals (``training.evaluation``).
+printed as pass@1 and mean reward with 95 % confidence intervals (``training.run.evaluation``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def is_hf_dir(path: pathlib.Path) -> bool:
 
 def export_checkpoint(cfg, checkpoint: pathlib.Path, work_dir: pathlib.Path) -> pathlib.Path:
     """Load the checkpoint's actor into a Megatron model and write its HF safetensors; returns the dir."""
-    from sao_megatron.training.components import build_components, initial_weights, write_hf_export
+    from sao_megatron.training.run.components import build_components, initial_weights, write_hf_export
 
     if not (checkpoint / "actor").is_dir():
         raise ValueError(f"--checkpoint {checkpoint} has no actor/ (and is not an HF dir with config.json and "
@@ -62,7 +62,7 @@ def evaluate_hf_dir(cfg, model_dir: pathlib.Path, *, num_prompts: int, temperatu
     from sao_megatron.envs.rewards import RewardPool
     from sao_megatron.rollout.client import RolloutClient
     from sao_megatron.rollout.launch import LocalEngines
-    from sao_megatron.training.evaluation import EvalConfig, eval_sampling, evaluate_prompts
+    from sao_megatron.training.run.evaluation import EvalConfig, eval_sampling, evaluate_prompts
 
     task = build_task(cfg.data, model=cfg.model)
     prompts = task.heldout_prompts(num_prompts)
@@ -88,7 +88,7 @@ def evaluate_hf_dir(cfg, model_dir: pathlib.Path, *, num_prompts: int, temperatu
 
 def _run(args: argparse.Namespace) -> int:
     from sao_megatron.config import load_config
-    from sao_megatron.training.evaluation import check_eval_config
+    from sao_megatron.training.run.evaluation import check_eval_config
 
     cfg = load_config(args.config, args.overrides)
     num = args.samples if args.samples is not None else cfg.eval.num_prompts

@@ -23,7 +23,7 @@ from sao_megatron.config.cli import add_config_args
 from sao_megatron.errors import SaoError
 
 if TYPE_CHECKING:
-    from sao_megatron.training.components import Components
+    from sao_megatron.training.run.components import Components
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def generate_pairs(c: Components, model: ModelConfig, run_dir: pathlib.Path, *, 
     ``(prompt ids, output ids, engine log-probs, routed experts or None)`` per prompt."""
     from sao_megatron.parallel.collectives import broadcast_object, rank0_call
     from sao_megatron.rollout.types import SamplingParams
-    from sao_megatron.training.components import write_hf_export
+    from sao_megatron.training.run.components import write_hf_export
 
     out_dir = run_dir / "parity_weights"
     write_hf_export(c, model, out_dir, run_dir / "hf_template")
@@ -93,7 +93,7 @@ def _parity_batch(pairs: list[tuple], tp_size: int, device) -> dict[str, torch.T
 
 
 def _gaps(c: Components, pairs, mb, vocab_size: int, temperature: float) -> dict[str, float]:
-    from sao_megatron.training.forward import compute_logprobs
+    from sao_megatron.training.step.forward import compute_logprobs
 
     lp = compute_logprobs(c.actor.chunks, [mb], ctx=c.ctx, vocab_size=vocab_size, temperature=temperature)[0].cpu()
     gaps = torch.cat([(lp[i, len(p):len(p) + len(o)] - torch.tensor(e, dtype=lp.dtype)).abs()
@@ -106,7 +106,7 @@ def _generate(task, model_dir, run_dir, sampling, num_prompts, seed, engine_urls
     """(prompt ids, output ids, engine log-probs, routed experts or None) per chosen prompt."""
     from sao_megatron.rollout.client import RolloutClient
     from sao_megatron.rollout.launch import LocalEngines
-    from sao_megatron.training.async_bridge import AsyncBridge
+    from sao_megatron.training.run.async_bridge import AsyncBridge
 
     prompts = task.prompts()
     chosen = random.Random(seed).sample(prompts, min(num_prompts, len(prompts)))
@@ -152,7 +152,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from sao_megatron.config import load_config
     from sao_megatron.parallel.bootstrap import destroy
-    from sao_megatron.training.components import build_components, initial_weights
+    from sao_megatron.training.run.components import build_components, initial_weights
 
     cfg = load_config(args.config, ["run.sft_steps=0", *args.overrides])
     run_dir = pathlib.Path(args.run_dir)

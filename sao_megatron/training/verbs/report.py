@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from sao_megatron.scheduler.stats import stale_drop_by_length
-from sao_megatron.training.metrics_log import read_metrics
+from sao_megatron.training.run.metrics_log import read_metrics
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -150,7 +150,7 @@ def stale_drop_summary(run_dir: str | pathlib.Path) -> dict[str, float] | None:
 
 
 def _eval_figure(plt, records: list[dict[str, Any]]):
-    """Held-out pass@1 with its CI band and mean reward against trainer steps (``training.evaluation``)."""
+    """Held-out pass@1 with its CI band and mean reward against trainer steps (``training.run.evaluation``)."""
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = [r for r in records if all(isinstance(r.get(k), (int, float))
                                       for k in ("eval/pass_at_1", "eval/ci_low", "eval/ci_high", "eval/mean_reward"))]

@@ -5,7 +5,7 @@ from an HF directory exported from the actor; with ``rollout.engine=sglang`` it
 talks to already running SGLang servers (``engine_urls``) through their router.
 The asyncio side runs on an :class:`AsyncBridge` thread so generation and
 reward computation continue while the actor trains. Weights (the start directory, pushes, the
-served version, restarted engines' weights) belong to ``training.publisher.WeightPublisher``.
+served version, restarted engines' weights) belong to ``training.run.publisher.WeightPublisher``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from sao_megatron.rollout.router_admin import RouterAdmin
 from sao_megatron.rollout.supervisor import EngineSupervisor, Readmit
 from sao_megatron.scheduler.sample import Sample
 from sao_megatron.scheduler.scheduler import AsyncScheduler
-from sao_megatron.training.async_bridge import AsyncBridge
+from sao_megatron.training.run.async_bridge import AsyncBridge
 
 log = logging.getLogger(__name__)
 

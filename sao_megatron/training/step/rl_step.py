@@ -5,7 +5,7 @@ scheduler broadcasts it). Each data-parallel rank trains on its shard; the
 global counts that normalise the losses (action tokens, sequences) are taken
 from the whole batch, so gradients summed over micro-batches and DP ranks are
 exactly the global-batch objective (Megatron's ``calculate_per_token_loss``,
-see ``training.forward``). Advantages are computed per micro-batch: GAE is a
+see ``training.step.forward``). Advantages are computed per micro-batch: GAE is a
 per-row recursion, so no re-assembly of rows is needed. What an objective
 needs and computes (critic, estimator, loss, the ratio's behaviour log-probs) is its row in
 ``algorithms.objectives``: this module calls the row's functions with the knobs
@@ -30,10 +30,10 @@ from sao_megatron.config import AlgorithmConfig
 from sao_megatron.models.actor import token_logprobs
 from sao_megatron.models.critic import token_values
 from sao_megatron.parallel.collectives import combine_metrics
-from sao_megatron.training.batch import LocalBatch, minibatch_groups
-from sao_megatron.training.forward import MicroBatch, compute_logprobs, compute_values
-from sao_megatron.training.objective_knobs import knobs
-from sao_megatron.training.optim import UpdateResult, optimizer_step
+from sao_megatron.training.step.batch import LocalBatch, minibatch_groups
+from sao_megatron.training.step.forward import MicroBatch, compute_logprobs, compute_values
+from sao_megatron.training.step.objective_knobs import knobs
+from sao_megatron.training.step.optim import UpdateResult, optimizer_step
 
 log = logging.getLogger(__name__)
 

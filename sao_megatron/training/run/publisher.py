@@ -31,8 +31,8 @@ from sao_megatron.models.families.hf_config import dtype_name
 from sao_megatron.parallel.collectives import broadcast_object, rank0_call
 from sao_megatron.rollout.recovery import CurrentWeights, PendingReconnects, disk_readmit
 from sao_megatron.rollout.types import EngineUnavailable
-from sao_megatron.training.components import Components, drain, export_weights
-from sao_megatron.training.export import iter_owned_hf_tensors, owns_tensors
+from sao_megatron.training.run.components import Components, drain, export_weights
+from sao_megatron.training.run.export import iter_owned_hf_tensors, owns_tensors
 
 log = logging.getLogger(__name__)
 

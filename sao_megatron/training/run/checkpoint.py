@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedBase
 
-from sao_megatron.training.manifest import hashing_writes
+from sao_megatron.training.run.manifest import hashing_writes
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def publish_checkpoint(part_dir: str | pathlib.Path, commit: Callable[[], Any]) 
     """Collective, once the files of ``part_dir`` are complete (``CheckpointSaves.then``): rank 0
     writes ``manifest.json`` (the last file) and publishes the directory with ``commit``."""
     if dist.get_rank() == 0:
-        from sao_megatron.training.manifest import write_manifest
+        from sao_megatron.training.run.manifest import write_manifest
 
         manifest = write_manifest(part_dir)
         final = commit()
@@ -234,7 +234,7 @@ def publish_checkpoint(part_dir: str | pathlib.Path, commit: Callable[[], Any]) 
 def verify_checkpoint(path: str | pathlib.Path, *, checksums: bool = True) -> None:
     """Collective: raise ``CorruptCheckpointError`` naming the files of ``path`` that do not match its
     manifest. Each rank checks the sizes and CRCs of its share of the files."""
-    from sao_megatron.training.manifest import check_checkpoint
+    from sao_megatron.training.run.manifest import check_checkpoint
 
     def gather(problems: list[str]) -> list[str]:
         everyone: list[list[str] | None] = [None] * dist.get_world_size()

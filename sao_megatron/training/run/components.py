@@ -25,8 +25,8 @@ from sao_megatron.envs.base import Task
 from sao_megatron.models.families import get_family
 from sao_megatron.parallel.bootstrap import ParallelContext, init_distributed
 from sao_megatron.parallel.collectives import rank0_call
-from sao_megatron.training.export import ExportPlan, iter_hf_tensors
-from sao_megatron.training.models import TrainedModel, build_actor, build_critic
+from sao_megatron.training.run.export import ExportPlan, iter_hf_tensors
+from sao_megatron.training.run.models import TrainedModel, build_actor, build_critic
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def initial_weights(c: Components, cfg: ExperimentConfig) -> None:
     """Collective: the starting weights of a fresh run. The actor from ``actor.load`` (Megatron
     checkpoint) or ``model.hf_dir`` (HF checkpoint), then the supervised warm-up (``run.sft_steps``) and,
     with ``actor.reset_optimizer_before_rl``, a fresh Adam state for RL; the critic once, from the final starting actor or ``critic.init_from``."""
-    from sao_megatron.training.checkpoint import load_checkpoint
+    from sao_megatron.training.run.checkpoint import load_checkpoint
 
     if cfg.actor.load:
         load_checkpoint(cfg.actor.load, c.actor.chunks)
@@ -125,12 +125,12 @@ def initial_weights(c: Components, cfg: ExperimentConfig) -> None:
 
         load_hf_dir(c.actor.chunks, cfg.model, cfg.model.hf_dir)
     if cfg.run.sft_steps:
-        from sao_megatron.training.sft import supervised_warmup
+        from sao_megatron.training.step.sft import supervised_warmup
 
         supervised_warmup(c.actor, c.task, c.ctx, run=cfg.run, model=cfg.model,
                           max_tokens=cfg.actor.max_tokens_per_microbatch)
     if cfg.actor.reset_optimizer_before_rl:
-        from sao_megatron.training.optim import reset_optimizer_state
+        from sao_megatron.training.step.optim import reset_optimizer_state
 
         reset_optimizer_state(c.actor.optimizer)
     if c.critic is None:

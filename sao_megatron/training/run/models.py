@@ -11,7 +11,7 @@ import torch
 from sao_megatron.config import ActorConfig, CriticConfig, ModelConfig
 from sao_megatron.models.builder import build_model_chunks, count_parameters
 from sao_megatron.models.critic import freeze_for_critic
-from sao_megatron.training.optim import setup_optimizer
+from sao_megatron.training.step.optim import setup_optimizer
 
 log = logging.getLogger(__name__)
 

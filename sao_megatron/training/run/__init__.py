@@ -1,0 +1,1 @@
+"""The run lifecycle: assembly, the trainer loop, weight publishing, evaluation, checkpoints, metrics."""
