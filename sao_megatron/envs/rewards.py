@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from sao_megatron.config.schema import RewardPhase
 
 logger = logging.getLogger(__name__)
+# The modules holding the task reward functions: the fork server preloads them so each worker forks
+# with them imported (the envs package itself imports this module, so it is not named here).
+REWARD_MODULES = tuple(f"sao_megatron.envs.{m}" for m in ("arithmetic", "code_task", "math_task", "tool_chain", "tools"))
 _START_TIMEOUT_S = 120.0
 
 
@@ -41,7 +44,9 @@ class RewardOutcome:
 
 
 def _worker_main(conn) -> None:
-    import sao_megatron.envs  # noqa: F401 - the task reward functions: imported before timing starts
+    # The task reward functions' modules, imported before timing starts (not the envs package, which
+    # imports this module).
+    from sao_megatron.envs import arithmetic, code_task, math_task, tool_chain, tools  # noqa: F401
     conn.send(("ready", None))
     while True:
         try:
@@ -94,7 +99,7 @@ def _preload_forkserver(ctx) -> None:
     config and the tasks: ~2 s each on a quiet machine. Effective only before the process's fork
     server starts (it is shared by the whole process); ``__main__`` stays preloaded as by default.
     """
-    ctx.set_forkserver_preload(["__main__", "sao_megatron.envs", __name__])
+    ctx.set_forkserver_preload(["__main__", *REWARD_MODULES, __name__])
 
 
 class RewardPool:

@@ -53,7 +53,7 @@ def write_bootstrap(cfg: ExperimentConfig, out: pathlib.Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from sao_megatron.envs import build_task
-    from sao_megatron.models.families.hf_config import write_hf_template
+    from sao_megatron.models.families import write_hf_template
 
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

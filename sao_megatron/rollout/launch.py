@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from sao_megatron.config.schema import RolloutConfig
 from sao_megatron.net import free_port
 from sao_megatron.rollout.health import wait_healthy
 
@@ -261,7 +262,7 @@ def sglang_server_args(model_dir: str | Path, *, max_total_tokens: int, device: 
     return args + (["--device", "cpu"] if device == "cpu" else [])
 
 
-def local_sglang_engines(rollout, model_dir: str | Path, *, log_dir: str | Path, extra_args: Sequence[str],
+def local_sglang_engines(rollout: RolloutConfig, model_dir: str | Path, *, log_dir: str | Path, extra_args: Sequence[str],
                          device: str | None = None) -> SGLangEngines:
     """``rollout.num_engines`` SGLang servers from a RolloutConfig (engine=sglang without engine_urls);
     not started yet. ValueError saying how to build SGLang's venv when its python is missing."""

@@ -37,7 +37,7 @@ def make_hf_dir(out: pathlib.Path, data_path: str) -> None:
 
     from sao_megatron.config import load_config
     from sao_megatron.envs import build_task
-    from sao_megatron.models.families.hf_config import write_hf_template
+    from sao_megatron.models.families import write_hf_template
 
     _tiny_tokenizer_module().build_tokenizer(out)
     cfg = load_config(CONFIG, [f"model.hf_dir={out}", "data.task=math", f"data.path={data_path}",

@@ -4,6 +4,7 @@ Public API::
 
     model_config_from_hf(hf_dir_or_config) -> ModelConfig
     hf_config_from_model(model_cfg) -> dict            # hub-style config.json
+    write_hf_template(model_cfg, tokenizer, out_dir)   # config.json (+ tokenizer) of an export dir
     architecture_diff(a, b) -> list[str]               # fields on which two ModelConfigs disagree
     family_for_hf(hf_config, source) -> Family
     get_family(name) -> Family                         # Family.weight_map(cfg) -> WeightMap
@@ -12,6 +13,7 @@ Public API::
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 from typing import Any
 
@@ -22,7 +24,7 @@ from sao_megatron.models.families.base import ConversionError, Family, WeightMap
 from sao_megatron.models.families.hf_config import read_hf_config
 
 __all__ = ["ConversionError", "FAMILIES", "Family", "WeightMap", "architecture_diff", "family_for_hf", "get_family",
-           "hf_config_from_model", "model_config_from_hf"]
+           "hf_config_from_model", "model_config_from_hf", "write_hf_template"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_moe.FAMILY, glm4_moe.FAMILY, deepseek_v3.FAMILY,
                                                    glm_moe_dsa.FAMILY, deepseek_v32.FAMILY)}
@@ -93,3 +95,19 @@ def _explicit_head_dim(cfg: ModelConfig) -> ModelConfig:
     if cfg.kv_channels is not None:
         return cfg
     return dataclasses.replace(cfg, kv_channels=arch.head_dim(cfg))
+
+
+def write_hf_template(model_cfg: ModelConfig, tokenizer: Any, out_dir: str | pathlib.Path) -> pathlib.Path:
+    """config.json (+ tokenizer files) that make an exported weight dir a loadable HF model.
+
+    ``tokenizer``: the task's tokenizer (``bos_id``/``eos_id``/``pad_id`` and ``save_hf_tokenizer``)
+    or None for a model without one (the engines then take token ids only).
+    """
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf = hf_config_from_model(model_cfg)
+    if tokenizer is not None:
+        hf.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+        tokenizer.save_hf_tokenizer(out_dir)
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
+    return out_dir

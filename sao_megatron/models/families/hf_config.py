@@ -125,21 +125,3 @@ def read_hf_config(hf_dir: str | pathlib.Path) -> dict[str, Any]:
 def dtype_name(params_dtype: str) -> str:
     """ModelConfig.params_dtype -> HF dtype string."""
     return {v: k for k, v in DTYPES.items()}[params_dtype]
-
-
-def write_hf_template(model_cfg: ModelConfig, tokenizer: Any, out_dir: str | pathlib.Path) -> pathlib.Path:
-    """config.json (+ tokenizer files) that make an exported weight dir a loadable HF model.
-
-    ``tokenizer``: the task's tokenizer (``bos_id``/``eos_id``/``pad_id`` and ``save_hf_tokenizer``)
-    or None for a model without one (the engines then take token ids only).
-    """
-    from sao_megatron.models.families import hf_config_from_model
-
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf = hf_config_from_model(model_cfg)
-    if tokenizer is not None:
-        hf.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
-        tokenizer.save_hf_tokenizer(out_dir)
-    (out_dir / "config.json").write_text(json.dumps(hf, indent=2))
-    return out_dir

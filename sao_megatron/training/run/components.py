@@ -146,7 +146,7 @@ def initial_weights(c: Components, cfg: ExperimentConfig) -> None:
 def write_hf_export(c: Components, model: ModelConfig, out_dir: pathlib.Path, template_dir: pathlib.Path) -> None:
     """Collective: the actor's weights as a loadable HF directory (safetensors + config.json + the
     task's tokenizer) written by rank 0, exactly as the trainer syncs them to the engines."""
-    from sao_megatron.models.families.hf_config import write_hf_template
+    from sao_megatron.models.families import write_hf_template
     from sao_megatron.rollout.weight_sync import write_hf_safetensors
 
     gen = export_weights(c)

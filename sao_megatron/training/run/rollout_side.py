@@ -18,7 +18,7 @@ from typing import Any
 from sao_megatron.config import DataConfig, ExperimentConfig, RolloutConfig, SchedulerConfig
 from sao_megatron.envs.base import Task
 from sao_megatron.errors import SaoError
-from sao_megatron.models.families.hf_config import write_hf_template
+from sao_megatron.models.families import write_hf_template
 from sao_megatron.rollout.client import RolloutClient
 from sao_megatron.rollout.health import wait_healthy
 from sao_megatron.rollout.launch import LocalEngines, SGLangRouterProcess, local_sglang_engines

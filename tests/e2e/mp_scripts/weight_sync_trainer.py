@@ -22,7 +22,7 @@ from update_parity import fixed_samples  # noqa: E402
 
 def start_external(trainer, cfg, run_dir: pathlib.Path):
     """(single rank) Two embedded engines serving the initial weights; cfg.rollout now reaches them."""
-    from sao_megatron.models.families.hf_config import write_hf_template
+    from sao_megatron.models.families import write_hf_template
     from sao_megatron.rollout.launch import LocalEngines
     from sao_megatron.rollout.weight_sync import write_hf_safetensors
     from sao_megatron.training.run.components import export_weights
