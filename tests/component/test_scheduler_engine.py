@@ -70,7 +70,7 @@ async def run_training(engines, ckpts, *, steps, mode="single", eta=1, partial="
         for step in range(steps):
             batch = await sched.next_batch()
             consumed.append((sched.version, batch))
-            await let_generation_run(sched)  # the trainer's step: the engines keep generating meanwhile
+            await let_generation_run(sched, client)  # the trainer's step: the engines keep generating meanwhile
             v = sched.version + 1
 
             async def push(v=v):
@@ -87,14 +87,17 @@ async def run_training(engines, ckpts, *, steps, mode="single", eta=1, partial="
     return consumed, state, metrics
 
 
-async def let_generation_run(sched, timeout_s=5.0):
-    """Until some episode has a request open on an engine (if any may run), then a little longer, so
-    the weight update that follows lands in the middle of generations."""
+async def let_generation_run(sched, client, timeout_s=5.0):
+    """Until an engine holds a request with output tokens (if any may run), so the weight update that
+    follows lands in the middle of a generation: a fixed sleep let the pause land, now and then, when
+    every open request was still queued or just finished, and no rollout crossed the update."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while not any(ep.generating for ep in sched._episodes.values()) and sched._in_flight and loop.time() < deadline:
+    while sched._in_flight and loop.time() < deadline:
+        states = [s for info in await client.server_info() for s in info.get("internal_states", [])]
+        if any(n > 0 for s in states for n in s.get("num_output_tokens", {}).values()):
+            return
         await asyncio.sleep(0.005)
-    await asyncio.sleep(0.05)
 
 
 def audit_staleness_and_counts(consumed, state, eta):
