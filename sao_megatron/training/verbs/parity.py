@@ -10,6 +10,7 @@ tiny in fp32, and ``sao-megatron parity`` exits non-zero above ``--tol``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import pathlib
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sao_megatron.config import ModelConfig
+from sao_megatron.config.schema import RolloutConfig
 from sao_megatron.config.cli import add_config_args
 from sao_megatron.errors import SaoError
 
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 
 def measure_parity(c: Components, model: ModelConfig, run_dir: pathlib.Path, *, num_prompts: int,
                    max_new_tokens: int, temperature: float, seed: int,
-                   engine_urls: list[str] | None = None) -> dict[str, float]:
+                   engine_urls: list[str] | None = None, rollout: RolloutConfig | None = None) -> dict[str, float]:
     """Collective over the trainer's world; returns the gap statistics (on every rank).
 
     With routing replay attached to the actor (``rollout.routing_replay``), the engine is asked for
@@ -41,15 +43,18 @@ def measure_parity(c: Components, model: ModelConfig, run_dir: pathlib.Path, *, 
 
     replay = find_route_replay(c.actor.chunks[0]) is not None
     pairs = generate_pairs(c, model, run_dir, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                           temperature=temperature, seed=seed, engine_urls=engine_urls, routes=replay)
+                           temperature=temperature, seed=seed, engine_urls=engine_urls, routes=replay,
+                           rollout=rollout)
     return parity_gaps(c, pairs, vocab_size=model.vocab_size, temperature=temperature, replay=replay)
 
 
 def generate_pairs(c: Components, model: ModelConfig, run_dir: pathlib.Path, *, num_prompts: int,
                    max_new_tokens: int, temperature: float, seed: int, engine_urls: list[str] | None = None,
-                   routes: bool = False) -> list[tuple]:
+                   routes: bool = False, rollout: RolloutConfig | None = None) -> list[tuple]:
     """Collective: export the actor, generate from task prompts (rank 0), and give every rank
-    ``(prompt ids, output ids, engine log-probs, routed experts or None)`` per prompt."""
+    ``(prompt ids, output ids, engine log-probs, routed experts or None)`` per prompt. Without
+    ``engine_urls`` one engine of ``rollout.engine``'s kind is started (embedded by default; a real
+    SGLang server for ``rollout.engine=sglang``)."""
     from sao_megatron.parallel.collectives import broadcast_object, rank0_call
     from sao_megatron.rollout.types import SamplingParams
     from sao_megatron.training.run.components import write_hf_export
@@ -59,7 +64,7 @@ def generate_pairs(c: Components, model: ModelConfig, run_dir: pathlib.Path, *, 
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True,
                               sampling_seed=seed)
     pairs = rank0_call(lambda: _generate(c.task, out_dir, run_dir, sampling, num_prompts, seed, engine_urls,
-                                         routes=routes))
+                                         routes=routes, rollout=rollout))
     return broadcast_object(pairs)
 
 
@@ -102,16 +107,23 @@ def _gaps(c: Components, pairs, mb, vocab_size: int, temperature: float) -> dict
             "parity/num_tokens": float(gaps.numel())}
 
 
-def _generate(task, model_dir, run_dir, sampling, num_prompts, seed, engine_urls, *, routes: bool = False):
+def _generate(task, model_dir, run_dir, sampling, num_prompts, seed, engine_urls, *, routes: bool = False,
+              rollout: RolloutConfig | None = None):
     """(prompt ids, output ids, engine log-probs, routed experts or None) per chosen prompt."""
     from sao_megatron.rollout.client import RolloutClient
-    from sao_megatron.rollout.launch import LocalEngines
+    from sao_megatron.rollout.launch import LocalEngines, local_sglang_engines
     from sao_megatron.training.run.async_bridge import AsyncBridge
 
     prompts = task.prompts()
     chosen = random.Random(seed).sample(prompts, min(num_prompts, len(prompts)))
-    engines = None if engine_urls else LocalEngines(
-        model_dir, 1, log_dir=run_dir / "logs", extra_args=["--enable-return-routed-experts"] if routes else [])
+    flags = ["--enable-return-routed-experts"] if routes else []
+    if engine_urls:
+        engines = None
+    elif rollout is not None and rollout.engine == "sglang":
+        engines = local_sglang_engines(dataclasses.replace(rollout, num_engines=1), model_dir,
+                                       log_dir=run_dir / "logs", extra_args=["--skip-tokenizer-init", *flags])
+    else:
+        engines = LocalEngines(model_dir, 1, log_dir=run_dir / "logs", extra_args=flags)
     bridge = AsyncBridge()
     try:
         urls = engine_urls or engines.start()
@@ -162,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
         initial_weights(c, cfg)
         stats = measure_parity(c, cfg.model, run_dir, num_prompts=args.num_prompts, seed=cfg.run.seed,
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               engine_urls=args.engine_url)
+                               engine_urls=args.engine_url, rollout=cfg.rollout)
     finally:
         rank0 = dist.get_rank() == 0  # asked before the process group is gone
         destroy()
