@@ -13,59 +13,52 @@
 #                                     venv from requirements-sglang.txt instead, and prints its python
 #                                     on the last line. It never touches the main venv.
 set -euo pipefail
+shopt -s inherit_errexit  # a failing step inside build_venv "$(...)" stops the script
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
+root="${SAO_ENV_ROOT:-$HOME/.cache/sao-megatron}"
+mkdir -p "$root"
 
-if [ "${1:-}" = "--sglang" ]; then
-  # Bump SGLANG_ENV_REV when the steps below change in a way that needs a new venv.
-  SGLANG_ENV_REV=1
-  py="${SAO_SGLANG_PYTHON:-}"
-  if [ -z "$py" ]; then
-    for cand in python3.11 "$HOME/.pyenv/versions/3.11.7/bin/python3.11"; do
-      if command -v "$cand" >/dev/null 2>&1; then py="$cand"; break; fi
-    done
-  fi
-  [ -n "$py" ] || { echo "setup: Python 3.11 not found (the sglang 0.5.23 wheel is built for CPython 3.11 only); set SAO_SGLANG_PYTHON=/path/to/python3.11" >&2; exit 1; }
-  hash="$( (cat requirements-sglang.txt; echo "rev=$SGLANG_ENV_REV") | sha256sum | cut -c1-16)"
-  root="${SAO_ENV_ROOT:-$HOME/.cache/sao-megatron}"
-  venv="$root/sglang-venv-$hash"
-  mkdir -p "$root"
+# find_python VERSION OVERRIDE_VAR WHY: the interpreter to build a venv from.
+find_python() {
+  local version="$1" override="$2" why="$3" cand
+  if [ -n "${!override:-}" ]; then echo "${!override}"; return; fi
+  for cand in "python$version" "$HOME"/.pyenv/versions/"$version".*/bin/"python$version"; do
+    if command -v "$cand" >/dev/null 2>&1; then echo "$cand"; return; fi
+  done
+  echo "setup: Python $version not found ($why); set $override=/path/to/python$version" >&2
+  exit 1
+}
+
+# build_venv NAME PYTHON REQUIREMENTS REV WHAT: the venv keyed by the requirements file and REV
+# (bump REV when the build steps change in a way that needs a new venv); built once, then reused.
+build_venv() {
+  local name="$1" py="$2" reqs="$3" rev="$4" what="$5" hash venv
+  hash="$( (cat "$reqs"; echo "rev=$rev") | sha256sum | cut -c1-16)"
+  venv="$root/$name-$hash"
   if [ ! -f "$venv/.complete" ]; then
-    echo "setup: building $venv (first run takes ~5 minutes and ~11 GB: sglang with every pinned dependency)" >&2
+    echo "setup: building $venv (first run takes $what)" >&2
     rm -rf "$venv"
     "$py" -m venv "$venv"
     "$venv/bin/python" -m pip install -q --upgrade pip >&2
-    "$venv/bin/python" -m pip install -q -r requirements-sglang.txt >&2
-    "$venv/bin/python" -c 'import importlib.metadata as m; v = m.version("sglang"); assert v == "0.5.23", v' >&2
+    "$venv/bin/python" -m pip install -q -r "$reqs" >&2
+    if [ "$name" = sglang-venv ]; then
+      "$venv/bin/python" -c 'import importlib.metadata as m; v = m.version("sglang"); assert v == "0.5.23", v' >&2
+    fi
     touch "$venv/.complete"
   fi
+  echo "$venv"
+}
+
+if [ "${1:-}" = "--sglang" ]; then
+  py="$(find_python 3.11 SAO_PYTHON311 "the sglang 0.5.23 wheel is built for CPython 3.11 only")"
+  venv="$(build_venv sglang-venv "$py" requirements-sglang.txt 1 "~5 minutes and ~11 GB: sglang with every pinned dependency")"
   echo "$venv/bin/python"
   exit 0
 fi
 
-py="${SAO_PYTHON:-}"
-if [ -z "$py" ]; then
-  for cand in python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python3.12"; do
-    if command -v "$cand" >/dev/null 2>&1; then py="$cand"; break; fi
-  done
-fi
-[ -n "$py" ] || { echo "setup: Python 3.12 not found (megatron-core>=0.17 needs it); set SAO_PYTHON=/path/to/python3.12" >&2; exit 1; }
-
-# Bump ENV_REV when the build steps below change in a way that needs a new venv.
-ENV_REV=1
-hash="$( (cat requirements.txt; echo "rev=$ENV_REV") | sha256sum | cut -c1-16)"
-root="${SAO_ENV_ROOT:-$HOME/.cache/sao-megatron}"
-venv="$root/venv-$hash"
-mkdir -p "$root"
-
-if [ ! -f "$venv/.complete" ]; then
-  echo "setup: building $venv (first run takes ~5 minutes: torch + megatron-core)" >&2
-  rm -rf "$venv"
-  "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip >&2
-  "$venv/bin/python" -m pip install -q -r requirements.txt >&2
-  touch "$venv/.complete"
-fi
+py="$(find_python 3.12 SAO_PYTHON "megatron-core>=0.17 needs it")"
+venv="$(build_venv venv "$py" requirements.txt 1 "~5 minutes: torch + megatron-core")"
 
 # SGLang contract files from the pinned wheel: a separate idempotent step (its own stamp), so a
 # change to the file list re-extracts them without rebuilding the venv.
