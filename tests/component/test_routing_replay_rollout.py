@@ -52,9 +52,7 @@ async def run(engine, ckpts, partial: str, steps: int = 3):
         await sched.start()
         for _ in range(steps):
             samples += await sched.next_batch()
-            while not any(ep.generating for ep in sched._episodes.values()):
-                await asyncio.sleep(0.005)
-            await asyncio.sleep(0.05)  # the update lands mid-generation
+            await until_a_request_has_output(client)  # the update lands mid-generation
             v = sched.version + 1
 
             async def push(v=v):
@@ -66,6 +64,18 @@ async def run(engine, ckpts, partial: str, steps: int = 3):
         await sched.stop()
         await client.aclose()
     return samples
+
+
+async def until_a_request_has_output(client, timeout_s: float = 5.0) -> None:
+    """Until the engine holds a request with output tokens: a fixed sleep after the first open request
+    let the update land, under load, when every open request was still queued or just finished, and
+    no episode crossed it."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        states = [s for info in await client.server_info() for s in info.get("internal_states", [])]
+        if any(n > 0 for s in states for n in s.get("num_output_tokens", {}).values()):
+            return
+        await asyncio.sleep(0.005)
 
 
 def wrong_rows(sample, ckpts) -> list[tuple[int, int]]:
