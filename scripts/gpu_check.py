@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a check (or line) whose SKIPs are accepted; repeat or comma-separate")
     parser.add_argument("--te", choices=["require", "off"], default="require",
                         help="GPU mode: Transformer Engine required (default) or explicitly not checked")
+    parser.add_argument("--timeout-scale", type=float, default=1.0,
+                        help="multiply every check's timeout (a shared or slow node; the budget still caps them)")
     parser.add_argument("--list", action="store_true", help="print the check names and exit")
     args = parser.parse_args(argv)
     if args.list:
@@ -83,10 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(only) - set(names))
     if unknown:
         raise SystemExit(f"gpu_check: unknown check(s) {unknown}; choose from {names}")
+    if args.timeout_scale <= 0:
+        raise SystemExit(f"gpu_check: --timeout-scale must be > 0, got {args.timeout_scale}")
     allow = {n.strip() for a in args.allow_skip for n in a.split(",") if n.strip()}
     out = pathlib.Path(args.out or os.environ.get("OUT") or REPO / "runs" / "gpu_check")
     budget = args.budget_s or BUDGET_S[args.mode]
-    ctx = lib.Context(mode=args.mode, out=out, deadline=time.monotonic() + budget, require_te=args.te == "require")
+    ctx = lib.Context(mode=args.mode, out=out, deadline=time.monotonic() + budget, require_te=args.te == "require",
+                      timeout_scale=args.timeout_scale)
     out.mkdir(parents=True, exist_ok=True)
     print(f"gpu_check ({args.mode} mode): {len(only)} checks, budget {budget:.0f} s, logs in {out}/logs", flush=True)
     lines: list[lib.Line] = []
@@ -131,7 +136,7 @@ def summarise(lines: list[lib.Line], *, mode: str, seconds: float, budget: float
 
 def run_check(check: Check, ctx: lib.Context, allow: set[str] = frozenset()) -> list[lib.Line]:
     """The check's lines, printed as they come; an exception or a timeout becomes one FAIL line."""
-    ctx.timeout_s = check.timeout_s[ctx.mode]
+    ctx.timeout_s = check.timeout_s[ctx.mode] * ctx.timeout_scale
     t0 = time.monotonic()
     if ctx.left() < 5:
         lines = [lib.Line("FAIL", check.name, "not started: the time budget is spent (raise --budget-s)")]

@@ -19,6 +19,7 @@
 # --target DIR  where missing packages go (default ~/.cache/sao-megatron/gpu-check-<python tag>).
 # --budget-s S  wall-clock budget of all checks together (default 480); each check is cut at
 #               its own timeout or at what is left of the budget, whichever comes first.
+# --timeout-scale X  multiply every check's timeout by X (a shared or slow node); the budget still caps.
 # --only NAMES  run only these checks (see `--list`).
 # --out DIR     where logs and the summary go (default: $OUT if set, else runs/gpu_check).
 # Prints one line per check: PASS|FAIL|SKIP|N/A|INFO <name> <numbers>, then a summary line; exit 0
@@ -38,11 +39,11 @@ while [[ $# -gt 0 ]]; do
     --cpu) MODE=cpu; shift ;;
     --python) PY="$2"; shift 2 ;;
     --target) TARGET="$2"; shift 2 ;;
-    --budget-s|--only|--out|--allow-skip) PASS_ARGS+=("$1" "$2"); shift 2 ;;
+    --budget-s|--timeout-scale|--only|--out|--allow-skip) PASS_ARGS+=("$1" "$2"); shift 2 ;;
     --require-te) TE=require; shift ;;
     --no-te) TE=off; shift ;;
     --list) PASS_ARGS+=("$1"); shift ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -79,7 +79,9 @@ class Context:
     deadline: float
     """time.monotonic() at which the whole budget is spent."""
     timeout_s: float = 60.0
-    """The current check's own limit (set before each check)."""
+    """The current check's own limit (set before each check, already scaled)."""
+    timeout_scale: float = 1.0
+    """``--timeout-scale``: every per-check and per-command limit is multiplied by it."""
     require_te: bool = True
     """GPU mode: Transformer Engine must be usable and its spec path (grouped experts) must run;
     ``--no-te`` turns it off explicitly (and the summary says so)."""
@@ -102,7 +104,7 @@ class Context:
     def run(self, name: str, cmd: list[str], *, limit: float | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """Run ``cmd`` (output to logs/NAME.log, also returned) within the check's time; kill its group after."""
-        budget = min(limit or self.timeout_s, self.left())
+        budget = min(limit * self.timeout_scale if limit else self.timeout_s, self.left())
         log_path = self.out / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         full_env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))

@@ -16,6 +16,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -164,6 +165,19 @@ def test_sync_verdict_states_the_transport_and_whether_nccl_ran():
     assert multi.judge_sync(SYNC | {"devices": ["cpu", "cpu"]}, backend="gloo", gpu=True).status == "FAIL"
 
 
+def test_timeout_scale_multiplies_each_checks_and_each_commands_limit(tmp_path):
+    seen = []
+    check = gpu_check.Check(name="probe", run=lambda ctx: seen.append(ctx.timeout_s) or [lib.Line("PASS", "probe", "")],
+                            timeout_s={"gpu": 30, "cpu": 120})
+    ctx = lib.Context(mode="gpu", out=tmp_path, deadline=time.monotonic() + 1e4, timeout_scale=4.0)
+    gpu_check.run_check(check, ctx)
+    assert seen == [120.0]
+    sleep = [sys.executable, "-c", "import time; time.sleep(1.5)"]
+    assert ctx.run("scaled", sleep, limit=0.5).returncode == 0  # 0.5 s x 4 = 2 s
+    with pytest.raises(lib.CheckTimeout):  # unscaled, the same command is cut at 1 s
+        lib.Context(mode="gpu", out=tmp_path, deadline=time.monotonic() + 1e4).run("plain", sleep, limit=0.5)
+
+
 def test_sao_run_names_the_engine_dtype_for_a_bf16_trainer():
     ctx = lib.Context(mode="gpu", out=pathlib.Path("."), deadline=0.0)
     sets, notes = lib.run_overrides(ctx)
@@ -208,9 +222,10 @@ def test_dsa_topk_fp8_emulation_is_close_to_megatrons_scores_and_agreement_is_ex
 
 
 def test_gpu_mode_without_a_gpu_fails_with_exit_code_one(tmp_path):
-    """End to end through the real env probe: GPU mode on this CPU box is a FAIL line and rc 1."""
+    """End to end through the real env probe: GPU mode on this CPU box is a FAIL line and rc 1. The
+    env probe's 30 s (sized for a GPU node) is scaled: beside a CPU hog its imports alone took longer."""
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--mode", "gpu", "--only", "env",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=REPO,
+                           "--timeout-scale", "8", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=REPO,
                           env=dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     line = json.loads((tmp_path / "gpu_check_summary.json").read_text())["lines"][0]
