@@ -71,8 +71,8 @@ def test_partial_rollouts_across_weight_updates_exactly_once(sglang_server, ckpt
         consumed, state, metrics = asyncio.run(run_training(
             engines, ckpts, steps=3, eta=eta, partial=partial, wait=sglang_generates(sglang_server), api_key=API_KEY))
     finally:  # the session server serves its own weights at version 0 again
-        httpx.post(sglang_server.url + "/update_weights_from_disk", json={"model_path": ckpts[0], "weight_version": "0"},
-                   headers=sglang_server.headers, timeout=120, trust_env=False)
+        httpx.post(sglang_server.url + "/update_weights_from_disk", headers=sglang_server.headers, timeout=120,
+                   json={"model_path": ckpts[0], "weight_version": "0"}, trust_env=False)
     audit_staleness_and_counts(consumed, state, eta)
     c = {k: int(metrics[f"rollout/{k}"]) for k in (*COUNTERS, "in_flight", "fifo_samples")}
     assert c["failed"] == 0

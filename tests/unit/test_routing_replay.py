@@ -75,7 +75,7 @@ def test_config_routing_replay_checks():
         validate(make(rollout={"routing_replay": True}, parallel={"context_parallel_size": 2}))
 
 
-@pytest.mark.parametrize("router", [{"router": "sglang_router"},
+@pytest.mark.parametrize("router", [{"router": "sglang_router"}, {"router_url": "http://127.0.0.1:30000"},
                                     {"router": "sglang_router", "router_url": "http://127.0.0.1:30000"}])
 def test_config_refuses_routing_replay_through_sglang_router(router):
     """sglang-router drops return_routed_experts: refused, with the fix (engine_urls, builtin router)."""
