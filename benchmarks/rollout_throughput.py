@@ -2,16 +2,19 @@
 
 One real SGLang 0.5.23 server on CPU (``scripts/setup.sh --sglang``; pass its python with
 ``--sglang-python`` or ``$SAO_SGLANG_PYTHON``) serving a tiny random Qwen3-MoE whose vocabulary is
-the arithmetic task's. Two ways to keep ``--concurrency`` requests in flight for ``--seconds`` each,
-alternating ``--rounds`` times against the same server:
+the arithmetic task's. Two ways (arms) to keep ``--concurrency`` requests in flight for ``--seconds``
+each, against the same server:
 
 - bare: ``--concurrency`` coroutines each posting ``/generate`` in a loop with httpx (no parsing
   beyond the completion count), the prompts and sampling the scheduler uses;
 - ours: ``AsyncScheduler`` (mode single, no weight updates, admission never the limit) through
   ``RolloutClient``, consuming batches of ``--batch-size``; tokens of consumed samples count.
 
-Prints generated tokens/s of each and the ratio ours / bare (target >= 0.9). Wall numbers depend
-on the load of the machine; the ratio is measured side by side.
+Each of ``--rounds`` rounds runs both arms back to back, in alternating order (bare first in even
+rounds, ours first in odd ones), so load that drifts over minutes hits both arms of a round alike.
+Prints each round's tokens/s and ratio ours / bare with the machine's 1-minute load average, then
+the median of the per-round ratios (target >= 0.9) and their spread (min, max): on a loaded machine
+the median of side-by-side ratios is the number to read, wall tokens/s are not.
 
     python benchmarks/rollout_throughput.py --sglang-python ~/.cache/sao-megatron/sglang-venv-*/bin/python
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -83,14 +87,35 @@ async def ours(url: str, task, sampling: SamplingParams, concurrency: int, batch
             await sched.stop()
 
 
+def run_round(url: str, task, sampling: SamplingParams, a, bare_first: bool) -> dict[str, float]:
+    """Both arms once, back to back (``bare_first`` picks the order); tokens/s of each."""
+    arms = {"bare": lambda: bare(url, task, sampling, a.concurrency, a.seconds),
+            "ours": lambda: ours(url, task, sampling, a.concurrency, a.batch_size, a.seconds)}
+    order = ["bare", "ours"] if bare_first else ["ours", "bare"]
+    load = os.getloadavg()[0]
+    out = {name: asyncio.run(arms[name]()) for name in order}
+    return out | {"ratio": out["ours"] / out["bare"], "load": (load + os.getloadavg()[0]) / 2}
+
+
+def report(rounds: list[dict[str, float]], a) -> None:
+    print(f"concurrency {a.concurrency}, max_new_tokens {a.max_new_tokens}, {len(rounds)} rounds x 2 arms x "
+          f"{a.seconds:.0f} s, arms alternating first")
+    print("round   bare tok/s   ours tok/s   ours/bare   load(1 min)")
+    for k, r in enumerate(rounds):
+        print(f"{k:5d}   {r['bare']:10.1f}   {r['ours']:10.1f}   {r['ratio']:9.3f}   {r['load']:11.1f}")
+    ratios = [r["ratio"] for r in rounds]
+    print(f"ratio ours / bare: median {statistics.median(ratios):.3f} over {len(ratios)} rounds, spread "
+          f"{min(ratios):.3f} .. {max(ratios):.3f}  (target >= 0.9)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sglang-python", default=os.environ.get("SAO_SGLANG_PYTHON"))
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--seconds", type=float, default=30.0)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--rounds", type=int, default=6)
     a = p.parse_args()
     if not a.sglang_python:
         raise SystemExit("--sglang-python (or $SAO_SGLANG_PYTHON): the python `bash scripts/setup.sh --sglang` prints")
@@ -103,16 +128,8 @@ def main() -> None:
                            extra_args=["--skip-tokenizer-init"], log_dir=Path(tmp) / "logs") as engines:
             url = engines.urls[0]
             asyncio.run(bare(url, task, sampling, a.concurrency, 5.0))  # warm-up (first-call compiles)
-            results = {"bare": [], "ours": []}
-            for _ in range(a.rounds):
-                results["bare"].append(asyncio.run(bare(url, task, sampling, a.concurrency, a.seconds)))
-                results["ours"].append(asyncio.run(ours(url, task, sampling, a.concurrency, a.batch_size,
-                                                        a.seconds)))
-    b, o = (sum(results[k]) / a.rounds for k in ("bare", "ours"))
-    print(f"concurrency {a.concurrency}, max_new_tokens {a.max_new_tokens}, {a.rounds} x {a.seconds:.0f} s each")
-    print(f"bare /generate loop : {b:8.1f} generated tok/s  (rounds: {', '.join(f'{x:.1f}' for x in results['bare'])})")
-    print(f"scheduler + client  : {o:8.1f} generated tok/s  (rounds: {', '.join(f'{x:.1f}' for x in results['ours'])})")
-    print(f"ratio ours / bare   : {o / b:.3f}  (target >= 0.9)")
+            rounds = [run_round(url, task, sampling, a, bare_first=k % 2 == 0) for k in range(a.rounds)]
+    report(rounds, a)
 
 
 if __name__ == "__main__":

@@ -220,6 +220,15 @@ def check_routing_replay(cfg: ExperimentConfig) -> list[str]:
     if cfg.parallel.context_parallel_size > 1:
         errs.append("rollout.routing_replay=true does not map routes onto context-parallel sequence shards: set "
                     "parallel.context_parallel_size=1 or rollout.routing_replay=false")
+    r = cfg.rollout
+    if r.router == "sglang_router" or r.router_url:
+        # sglang-router 0.3.2 drops return_routed_experts from /generate (tests/sglang records it): every
+        # episode would come back without routes and the replay would have nothing to replay.
+        via = f"rollout.router_url={r.router_url}" if r.router_url else "rollout.router=sglang_router"
+        errs.append(f"rollout.routing_replay=true cannot go through sglang-router ({via}): it drops "
+                    "return_routed_experts from /generate requests. Set rollout.router=builtin, leave "
+                    "rollout.router_url unset and list the SGLang servers in rollout.engine_urls instead (the "
+                    "built-in router sends to them directly), or set rollout.routing_replay=false")
     return errs
 
 

@@ -18,11 +18,22 @@ engine's ``/server_info``:
 FP8 weights are hashed dequantized to bfloat16 (``Fp8BlockComparable.dequantize``): an engine
 holding FP8 is reported unverified too. Per engine rank: sha256 over ``name + checksum`` in sorted
 name order. Buffers whose name contains a non-persistent pattern (rotary caches) are skipped.
+
+SGLang also reports its OWN parameter names, where checkpoint tensors are fused (the models'
+``load_weights``: ``stacked_params_mapping``, ``FusedMoE.make_expert_params_mapping``):
+``q_proj``/``k_proj``/``v_proj`` → ``qkv_proj`` (concatenated along dim 0), ``gate_proj``/``up_proj``
+→ ``gate_up_proj``, the experts ``experts.{e}.gate_proj``/``up_proj`` → ``experts.w13_weight``
+``[E, 2·I, H]`` (expert e's gate rows, then its up rows) and ``experts.{e}.down_proj`` →
+``experts.w2_weight`` ``[E, H, I]``, DeepSeek's ``q_a_proj``/``kv_a_proj_with_mqa`` →
+``fused_qkv_a_proj_with_mqa`` (``models/deepseek_common/deepseek_weight_loader.py``).
+:func:`held_checksums` hashes checkpoint tensors under those names (the embedded engine reports
+the same names): a fused tensor's checksum hashes its parts' bytes in order, with no copy.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -108,24 +119,99 @@ def as_held(name: str, tensor: torch.Tensor, holding: EngineHolding) -> torch.Te
     return t
 
 
+# Checkpoint tensors SGLang stacks into one parameter, in the order of their rows there.
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+            "q_a_proj": ("fused_qkv_a_proj_with_mqa", 0), "kv_a_proj_with_mqa": ("fused_qkv_a_proj_with_mqa", 1)}
+_STACKED_PART = re.compile(rf"^(.*)\.({'|'.join(_STACKED)})\.(weight|bias)$")
+_EXPERT_PART = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PARAM = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", 0)}
+
+
+def held_name(name: str) -> str:
+    """The SGLang parameter that holds checkpoint tensor ``name`` (``name`` itself when not fused)."""
+    if m := _EXPERT_PART.match(name):
+        return f"{m[1]}.{_EXPERT_PARAM[m[3]][0]}"
+    if m := _STACKED_PART.match(name):
+        return f"{m[1]}.{_STACKED[m[2]][0]}.{m[3]}"
+    return name
+
+
+def _part_key(name: str) -> tuple[int, int]:
+    """Where a fused part's bytes go: (expert, position inside the expert's or the stack's rows)."""
+    if m := _EXPERT_PART.match(name):
+        return int(m[2]), _EXPERT_PARAM[m[3]][1]
+    return 0, _STACKED[_STACKED_PART.match(name)[2]][1]
+
+
+def _complete(held: str, parts: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Every part of the fused parameter ``held`` is in ``parts``: all three of q/k/v, both of gate/up,
+    every expert (their number is the router's rows, ``<layer>.mlp.gate.weight``)."""
+    keys = {_part_key(n) for n in parts}
+    if held.endswith((".w13_weight", ".w2_weight")):
+        router = tensors.get(held.rsplit(".experts.", 1)[0] + ".gate.weight")
+        per_expert = 2 if held.endswith(".w13_weight") else 1
+        return router is not None and keys == {(e, k) for e in range(router.shape[0]) for k in range(per_expert)}
+    stack = [k for k, (param, _) in _STACKED.items() if held.rsplit(".", 2)[-2] == param]
+    return keys == {(0, i) for i in range(len(stack))}
+
+
+def held_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+    """Checkpoint tensors grouped as SGLang holds them: held name → its parts in byte order.
+
+    A fused parameter missing a part here (its tensors split over several export chunks or ranks)
+    keeps its parts under their checkpoint names: they cannot be hashed as the engine holds them."""
+    tensors = dict(named_tensors)
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        groups.setdefault(held_name(name), {})[name] = t
+    out: dict[str, list[torch.Tensor]] = {}
+    for held, parts in groups.items():
+        if held in parts:  # not fused
+            out[held] = [parts[held]]
+        elif _complete(held, parts, tensors):
+            out[held] = [parts[n] for n in sorted(parts, key=_part_key)]
+        else:
+            out.update((n, [t]) for n, t in parts.items())
+    return out
+
+
+def parts_checksum(parts: Iterable[torch.Tensor]) -> str:
+    """:func:`tensor_checksum` of the concatenation of ``parts`` (rows of one fused parameter)."""
+    h = hashlib.sha256()
+    for t in parts:
+        h.update(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return f"{int.from_bytes(h.digest()[:8], 'big'):016x}"
+
+
+def held_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                   holding: EngineHolding | None = None) -> dict[str, str]:
+    """Checksums of checkpoint tensors under SGLang's parameter names, as an engine holding them as
+    ``holding`` reports them (None: the bytes as sent)."""
+    holding = holding or EngineHolding(None)
+    return {held: parts_checksum(as_held(held, t, holding) for t in parts)
+            for held, parts in held_tensors(named_tensors).items()}
+
+
 def expected_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]],
                        holding: EngineHolding | None = None) -> dict[str, str]:
     """Checksums of exported HF tensors as an engine holding them as ``holding`` reports them
-    (None: the bytes as sent)."""
-    holding = holding or EngineHolding(None)
-    return {name: tensor_checksum(as_held(name, tensor, holding)) for name, tensor in named_tensors}
+    (None: the bytes as sent), under the engine's (SGLang's fused) names."""
+    return held_checksums(named_tensors, holding)
 
 
 def compare_checksums(expected: Mapping[str, str], engine: Mapping[str, str], *, where: str,
                       require_all: bool = True) -> int:
     """Raise WeightMismatchError naming the differing tensors; returns how many were compared.
 
-    ``require_all``: every exported tensor must be present on the engine under its HF name (the
-    embedded engine reports checkpoint names). SGLang reports its own parameter names, where
-    q/k/v and gate/up are fused: there only the tensors named alike on both sides are compared.
-    Tensors the engine holds beyond the export (tied copies, buffers) are not the export's business.
+    ``require_all``: every exported tensor must be present on the engine under its held name (the
+    embedded engine fuses exactly as :func:`held_tensors` does); a part of a fused parameter left
+    unfused (split over export chunks) cannot be compared and is not required. Without it (SGLang,
+    whose names for families not covered here may differ) only the tensors named alike on both sides
+    are compared. Tensors the engine holds beyond the export (tied copies, buffers) are not the
+    export's business.
     """
-    missing = sorted(n for n in expected if n not in engine) if require_all else []
+    missing = sorted(n for n in expected if n not in engine and held_name(n) == n) if require_all else []
     differ = sorted(n for n in expected if n in engine and engine[n] != expected[n])
     if missing or differ:
         raise WeightMismatchError(

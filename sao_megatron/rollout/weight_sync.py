@@ -367,7 +367,7 @@ class Fp8BlockSync:
 def _build_transport(rollout_cfg: RolloutConfig, *, client, run_dir, template_dir, collective, world_group,
                      checkpoint_dtype) -> WeightSync:
     kind = "distributed" if rollout_cfg.weight_sync == "nccl" else rollout_cfg.weight_sync
-    strict = rollout_cfg.engine == "embedded"  # it reports checksums under the exported HF names
+    strict = rollout_cfg.engine == "embedded"  # it names every tensor as weight_check.held_name does
     held = dict(strict_names=strict, checkpoint_dtype=checkpoint_dtype,
                 quantized=rollout_cfg.engine_weight_format == "fp8_block")
     if kind == "disk":

@@ -137,8 +137,8 @@ class DistributedWeightSync:
                  load_format: str | None = FLATTENED_BUCKET, verify: bool = True, device: str | None = None,
                  world_group=None, strict_names: bool = True, checkpoint_dtype: str | None = None,
                  quantized: bool = False):
-        """``strict_names``: engines report checksums under HF checkpoint names (the embedded engine);
-        False for SGLang, whose fused parameter names are compared where they coincide.
+        """``strict_names``: every exported tensor must be on the engine under its held name
+        (``weight_check.held_name``; the embedded engine); False for SGLang, compared where names coincide.
         ``checkpoint_dtype``: the export's ``torch_dtype`` (what SGLang's ``--dtype auto`` resolves from);
         ``quantized``: the engines hold FP8 weights (their checksums are of dequantized weights)."""
         if backend not in ("gloo", "nccl"):

@@ -55,9 +55,10 @@ def engines(engine_processes):
 
 
 async def run_training(engines, ckpts, *, steps, mode="single", eta=1, partial="retract", group_size=1,
-                       batch_size=4, concurrency=8, task=None, max_turns=1, on_start=None):
-    """Consume ``steps`` batches; after each, push checkpoint (v+1) % 3 as version v+1."""
-    client = RolloutClient(engines.urls, timeout_s=120)
+                       batch_size=4, concurrency=8, task=None, max_turns=1, on_start=None, wait=None, api_key=None):
+    """Consume ``steps`` batches; after each, push checkpoint (v+1) % 3 as version v+1 once ``wait(sched,
+    client)`` returns (default :func:`let_generation_run`; tests/sglang passes real SGLang's own signal)."""
+    client = RolloutClient(engines.urls, timeout_s=120, api_key=api_key)
     await client.update_weights_from_disk(ckpts[0], weight_version=0)  # every test starts at v0
     cfg = SchedulerConfig(mode=mode, batch_size=batch_size, concurrency=concurrency, max_staleness=eta,
                           partial_rollout=partial)
@@ -70,7 +71,7 @@ async def run_training(engines, ckpts, *, steps, mode="single", eta=1, partial="
         for step in range(steps):
             batch = await sched.next_batch()
             consumed.append((sched.version, batch))
-            await let_generation_run(sched, client)  # the trainer's step: the engines keep generating meanwhile
+            await (wait or let_generation_run)(sched, client)  # the trainer's step: the engines keep generating
             v = sched.version + 1
 
             async def push(v=v):

@@ -75,6 +75,19 @@ def test_config_routing_replay_checks():
         validate(make(rollout={"routing_replay": True}, parallel={"context_parallel_size": 2}))
 
 
+@pytest.mark.parametrize("router", [{"router": "sglang_router"}, {"router_url": "http://127.0.0.1:30000"},
+                                    {"router": "sglang_router", "router_url": "http://127.0.0.1:30000"}])
+def test_config_refuses_routing_replay_through_sglang_router(router):
+    """sglang-router drops return_routed_experts: refused, with the fix (engine_urls, builtin router)."""
+    tree = {"model": dict(MOE), "rollout": {"engine": "sglang", "engine_urls": ["http://127.0.0.1:30001"], **router}}
+    validate(from_dict(ExperimentConfig, tree))  # without routing replay the router is fine
+    tree["rollout"]["routing_replay"] = True
+    with pytest.raises(ConfigError, match="sglang-router.*return_routed_experts.*rollout.router=builtin.*engine_urls"):
+        validate(from_dict(ExperimentConfig, tree))
+    tree["rollout"] = {"engine": "sglang", "engine_urls": ["http://127.0.0.1:30001"], "routing_replay": True}
+    validate(from_dict(ExperimentConfig, tree))  # the fix the message names passes
+
+
 def test_replay_slot_maps_sequence_major_rows_and_sequence_parallel_slices():
     """Each router row (s * b + j, this TP rank's sequence slice) gets the route of token (j, s)."""
     from sao_megatron.models.routing_replay import LayerReplay, RouteReplay

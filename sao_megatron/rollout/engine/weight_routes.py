@@ -107,6 +107,8 @@ class WeightRoutes:
                                             abort_all=_field(body, "abort_all_requests", bool, False))
             self.core.runner.model_dir = path
         logger.info("weights updated from %s, version %s", path, self.core.weight_version)
+        if ok and version is not None:  # as SGLang's tokenizer manager words it (update_weights_from_disk)
+            message += f" Weight version updated to {version}."
         return _reply(ok, message, num_paused_requests=0)
 
     async def update_weights_from_distributed(self, request: Request):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from sao_megatron.rollout.update_group import (
     FLATTENED_BUCKET, init_custom_process_group, torch_dtype, unflatten_bucket)
-from sao_megatron.rollout.weight_check import overall_checksum, skipped, tensor_checksum
+from sao_megatron.rollout.weight_check import held_checksums, held_name, overall_checksum, skipped
 
 logger = logging.getLogger(__name__)
 
@@ -218,11 +218,8 @@ class EngineWeights:
 
     # ---------------------------------------------------------------- /weights_checker
     def _state(self, skip_tensor_list: list[str] | None) -> dict[str, torch.Tensor]:
-        """The live weights under checkpoint (HF) names, as ``save_pretrained`` would write them.
-
-        SGLang reports its own parameter names; this engine's parameters are transformers' fused
-        modules, so it reports the checkpoint names the trainer exports (comparable one to one).
-        """
+        """The live weights under checkpoint (HF) names, as ``save_pretrained`` would write them
+        (this engine's parameters are transformers' modules, fused differently from SGLang's)."""
         from transformers.core_model_loading import revert_weight_conversion
 
         model = self.runner.model
@@ -231,8 +228,8 @@ class EngineWeights:
 
     def check(self, action: str, skip_tensor_list: list[str] | None) -> dict | None:
         """SGLang's WeightChecker actions; the checksum payload for ``checksum``, else None."""
-        if action == "checksum":
-            sums = {n: tensor_checksum(t) for n, t in self._state(skip_tensor_list).items()}
+        if action == "checksum":  # under SGLang's parameter names (qkv_proj, experts.w13_weight...), as it does
+            sums = held_checksums(self._state(skip_tensor_list).items())
             info = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
                     "pp_size": 1, "rank": 0, "size": 1}
             return {"checksums": sums, "per_gpu_checksum": overall_checksum(sums), "parallelism_info": [info]}
@@ -243,7 +240,8 @@ class EngineWeights:
             if self.snapshot is None:
                 raise ValueError("compare needs a snapshot first (action=snapshot)")
             live = self._state(skip_tensor_list)
-            bad = [n for n, t in live.items() if n in self.snapshot and not torch.equal(t, self.snapshot[n])]
+            bad = sorted({held_name(n) for n, t in live.items()
+                          if n in self.snapshot and not torch.equal(t, self.snapshot[n])})
             self.snapshot = None
             if bad:
                 raise ValueError("check tensor equality failed:\n" + "\n".join(f"name={n}" for n in bad))
