@@ -23,7 +23,7 @@ pytestmark = pytest.mark.component
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    return run_json("megatron_single.py", tmp_path_factory.mktemp("megatron_single"), timeout=600)
+    return run_json("megatron_single.py", tmp_path_factory.mktemp("megatron_single"), timeout=600, light_main=True)
 
 
 # ------------------------------------------------------------------ builder: what was built
