@@ -29,12 +29,16 @@ import threading
 import time
 import traceback
 
-# What the check scripts import (mp_scripts/, convert_scripts/, the CLI): import errors show here.
+# What the check scripts import (mp_scripts/, convert_scripts/, the CLI's verbs; not sao_megatron.cli
+# itself, which ``-m`` runs as __main__): an import error here shows in the server's log.
 PRELOAD = [
     "torch", "torch.distributed", "safetensors.torch", "transformers", "megatron.core",
     "megatron.core.dist_checkpointing", "megatron.core.dist_checkpointing.strategies.torch",
     "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.pipeline_parallel",
-    "sao_megatron.cli", "sao_megatron.parallel.bootstrap", "sao_megatron.models.builder",
+    "sao_megatron.parallel.bootstrap", "sao_megatron.training.verbs.cli", "sao_megatron.training.verbs.smoke_cli",
+    "sao_megatron.training.verbs.parity", "checkpoints_tools.hf_to_mcore",
+    "checkpoints_tools.mcore_to_hf", "checkpoints_tools.parity", "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "transformers.models.glm4_moe.modeling_glm4_moe", "transformers.models.deepseek_v3.modeling_deepseek_v3", "sao_megatron.models.builder",
     "sao_megatron.models.actor", "sao_megatron.models.critic", "sao_megatron.training.step.optim",
     "sao_megatron.training.step.forward", "sao_megatron.training.run.checkpoint",
     "sao_megatron.training.run.components", "sao_megatron.training.run.export",
@@ -53,7 +57,7 @@ def preload() -> None:
     # Children must be able to start CUDA themselves; a parent that initialised it forbids that.
     assert not torch.cuda.is_initialized(), "preloading initialised CUDA: forking would break the children"
     # Forking is safe only from a single-threaded process (no lock can be held by a thread that is gone).
-    assert len(os.listdir("/proc/self/task")) == 1, "preloading started threads: forking is unsafe"
+    assert len(os.listdir("/proc/self/task")) == 1, "preloading started threads (OMP_NUM_THREADS=1?): forking is unsafe"
 
 
 def free_port() -> int:
