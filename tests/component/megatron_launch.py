@@ -4,7 +4,8 @@ Megatron code never runs inside the pytest process: the CPU shims patch torch.cu
 global device mode, which must not leak into other tests. The subprocesses fork from one server
 per pytest session that imported torch, Megatron and the package once (preload_server.py): each
 still starts from a fresh state and ends with its changes, but no longer pays ~6 CPU-seconds of
-imports per process (per rank: a 4-rank torchrun launch paid that five times).
+imports per process (per rank: a 4-rank torchrun launch paid that five times). Where a CUDA GPU
+is visible they stay plain processes (torchrun for ranks), as the GPU tests were written for.
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ def launch(argv: list[str], *, module: bool = False, nproc: int | None = None, c
            timeout: float = 600.0, check: bool = True) -> subprocess.CompletedProcess:
     """``python ARGV...`` (``python -m ARGV...`` with ``module``) forked from the preloaded server."""
     argv = [str(a) for a in argv]
-    proc = _server().launch(argv, module=module, nproc=nproc, cwd=str(cwd or os.getcwd()), env=_env(),
-                            timeout=timeout)
+    cwd = str(cwd or os.getcwd())
+    if _has_gpu():  # as before the server: a CUDA process must not fork from one that may have touched CUDA
+        proc = _plain(argv, module=module, nproc=nproc, cwd=cwd, timeout=timeout)
+    else:
+        proc = _server().launch(argv, module=module, nproc=nproc, cwd=cwd, env=_env(), timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(argv[:1] + argv[1:4])} failed (rc={proc.returncode}):\n{tail(proc)}")
     return proc
@@ -63,6 +67,20 @@ def run_json(script: str, tmp: pathlib.Path, *args: str, nproc: int | None = Non
     return json.loads(out.read_text())
 
 
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _plain(argv: list[str], *, module: bool, nproc: int | None, cwd: str, timeout: float):
+    """``python [-m] ARGV`` or ``torchrun --standalone --nproc_per_node=N [-m] ARGV`` (the GPU path)."""
+    launcher = [sys.executable] if nproc is None else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return subprocess.run([*launcher, *(["-m"] if module else []), *argv], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=cwd)
+
+
 def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
@@ -70,6 +88,13 @@ def _env() -> dict[str, str]:
 def _imports_env(env: dict[str, str]) -> dict[str, str]:
     """The environment the server's imports saw; pytest changes PYTEST_CURRENT_TEST for every test."""
     return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _read(path: str) -> str:
@@ -88,7 +113,12 @@ class PreloadServer:
         self.proc = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, env=env, start_new_session=True)
         self._buf = b""
-        self._reply(time.monotonic() + START_TIMEOUT_S, "ready")
+        try:
+            self._reply(time.monotonic() + START_TIMEOUT_S, "ready")
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
         atexit.register(self.close)
 
     def launch(self, argv: list[str], *, module: bool, nproc: int | None, cwd: str, env: dict[str, str],
@@ -102,7 +132,10 @@ class PreloadServer:
             try:
                 rc = self._reply(time.monotonic() + timeout, "rc")
             except TimeoutError:
-                os.killpg(pid, signal.SIGKILL)  # the leader's group: every rank and what they started
+                try:
+                    os.killpg(pid, signal.SIGKILL)  # the leader's group: every rank and what they started
+                except ProcessLookupError:  # the leader ended meanwhile, or had not made its group yet
+                    _kill(pid)
                 self._reply(time.monotonic() + 60, "rc")
                 raise subprocess.TimeoutExpired(argv, timeout, output=_read(out), stderr=_read(err)) from None
             return subprocess.CompletedProcess(argv, rc, _read(out), _read(err))
