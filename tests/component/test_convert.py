@@ -1,9 +1,9 @@
 """HF <-> Megatron conversion of tiny random Qwen3-MoE and GLM-4.5-style models.
 
 The reference is Hugging Face transformers itself: its logits (fp32) and its safetensors
-files. One plain-python launch converts every shape (roundtrip.py), one torchrun launch
-(4 processes, gloo) covers TP2xEP2 and PP2 (layouts.py), a few CLI launches cover the
-real entry point. Grouped this way because each process spends ~10 s importing.
+files. One plain-python launch converts every shape (roundtrip.py), one 4-rank launch
+(gloo) covers TP2xEP2 and PP2 (layouts.py), a CLI launch covers the real dispatcher. Each
+launch forks from the session's preloaded server (megatron_launch.py), so none pays the imports.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from megatron_launch import launch
 from safetensors import safe_open
 
 pytestmark = pytest.mark.component
@@ -30,23 +30,18 @@ MUTATED = ["qwen_gqa2_dense0", "glm_gqa2_dense0_shared1"]
 LAYOUT_SHAPES = ["qwen_gqa2_dense0", "glm_gqa2_dense0_shared1"]  # TP2xEP2 / PP2 need even heads/groups/layers
 
 
-def run(cmd: list[str], timeout: int, **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kw)
-    assert proc.returncode == 0, f"{cmd[:4]} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+def run(argv: list, timeout: int, *, nproc: int | None = None) -> subprocess.CompletedProcess:
+    """``python ARGV`` (``nproc`` ranks as torchrun starts them), forked from the preloaded server."""
+    proc = launch(argv, nproc=nproc, timeout=timeout, check=False)
+    assert proc.returncode == 0, f"{argv[:3]} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """Every shape: HF fixture, TP1 Megatron checkpoint, parity, HF export; mutated-mapping parities."""
     work = tmp_path_factory.mktemp("convert")
-    run([sys.executable, SCRIPTS / "roundtrip.py", work, work / "report.json", "--mutate", ",".join(MUTATED)],
+    run([SCRIPTS / "roundtrip.py", work, work / "report.json", "--mutate", ",".join(MUTATED)],
         timeout=600)
     return work, json.loads((work / "report.json").read_text())
 
@@ -54,8 +49,8 @@ def converted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def layouts(converted):
     work, _ = converted
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", free_port(),
-         SCRIPTS / "layouts.py", work, work / "layouts.json", "--shapes", ",".join(LAYOUT_SHAPES)], timeout=900)
+    run([SCRIPTS / "layouts.py", work, work / "layouts.json", "--shapes", ",".join(LAYOUT_SHAPES)], timeout=900,
+        nproc=4)
     return work, json.loads((work / "layouts.json").read_text())
 
 
@@ -162,9 +157,7 @@ def test_cli_convert_both_ways_and_check(converted, tmp_path):
              ["mcore-to-hf", "--mcore-dir", tmp_path / "mc", "--hf-template", hf, "--out-dir", tmp_path / "hf"],
              ["check", "--hf-dir", hf, "--mcore-dir", tmp_path / "mc", "--tol", "1e-12"]]
     argv = [["--log-level", "WARNING", "convert", *map(str, c)] for c in calls]
-    code = ("import json, sys\nfrom sao_megatron.cli import main\n"
-            "if __name__ == '__main__':\n    print('RCS', json.dumps([main(a) for a in json.loads(sys.argv[1])]))")
-    proc = run([sys.executable, "-c", code, json.dumps(argv)], 600)
+    proc = run([SCRIPTS / "cli_calls.py", json.dumps(argv)], 600)
     assert "RCS [0, 0, 1]" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert_bit_exact(hf, tmp_path / "hf")
     match = re.search(r"max_abs_diff=(\S+) .*: FAIL", proc.stdout)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.component.test_convert import assert_bit_exact, free_port, run
+from tests.component.test_convert import assert_bit_exact, run
 
 pytestmark = pytest.mark.component
 
@@ -28,7 +28,7 @@ DSA_SHAPES = [n for n, s in SHAPES.items() if "index_topk" in s]
 
 def test_quick_glm5_round_trip_parity_and_mtp(tmp_path):
     """Default-suite smoke: sparse (top-8 of 32 keys) GLM-5 with shared-indexer layers and an MTP layer."""
-    run([sys.executable, SCRIPTS / "mla_roundtrip.py", tmp_path, tmp_path / "r.json", "--quick"], timeout=600)
+    run([SCRIPTS / "mla_roundtrip.py", tmp_path, tmp_path / "r.json", "--quick"], timeout=600)
     r = json.loads((tmp_path / "r.json").read_text())["shapes"]["glm5_shared_idx_mtp"]
     assert r["max_abs_diff"] <= TOL and r["max_abs_logit"] > 0.5, r
     assert_bit_exact(tmp_path / "glm5_shared_idx_mtp" / "hf", tmp_path / "glm5_shared_idx_mtp" / "hf_out")
@@ -37,7 +37,7 @@ def test_quick_glm5_round_trip_parity_and_mtp(tmp_path):
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     work = tmp_path_factory.mktemp("convert_mla")
-    run([sys.executable, SCRIPTS / "mla_roundtrip.py", work, work / "report.json"], timeout=900)
+    run([SCRIPTS / "mla_roundtrip.py", work, work / "report.json"], timeout=900)
     return work, json.loads((work / "report.json").read_text())
 
 
@@ -85,9 +85,8 @@ def test_tp2ep2_and_pp2_loads_equal_tp1(converted, name):
     work, _ = converted
     key = "layouts"
     if key not in converted[1]:
-        run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", free_port(),
-             SCRIPTS / "mla_layouts.py", work, work / "layouts.json", "--shapes",
-             "dsv3_yarn_groups_mtp,glm5_shared_idx_mtp"], timeout=1500)
+        run([SCRIPTS / "mla_layouts.py", work, work / "layouts.json", "--shapes",
+             "dsv3_yarn_groups_mtp,glm5_shared_idx_mtp"], timeout=1500, nproc=4)
         converted[1][key] = json.loads((work / "layouts.json").read_text())
     r = converted[1][key][name]
     assert r["tp2ep2"] <= TOL and r["pp2"] <= TOL and r["import_tp2ep2_then_pp2"] <= TOL, r

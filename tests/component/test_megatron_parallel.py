@@ -23,7 +23,7 @@ LAYOUTS = ["tp2_ep2_sp", "pp2", "ep2_dp2", "pp2_vpp2_tp2_sp"]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron_layouts")
-    return run_json("megatron_layouts.py", tmp, "--hang-timeout", "600", nproc=4, timeout=900)
+    return run_json("megatron_layouts.py", tmp, "--hang-timeout", "600", nproc=4, timeout=900, light_main=True)
 
 
 def close(a: list[float], b: list[float], rel: float) -> bool:

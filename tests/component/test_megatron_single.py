@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import math
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from megatron_launch import run_json, tail
+from megatron_launch import launch, run_json
 
 from sao_megatron.config.schema import ModelConfig, ParallelConfig
 
@@ -23,7 +21,7 @@ pytestmark = pytest.mark.component
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    return run_json("megatron_single.py", tmp_path_factory.mktemp("megatron_single"), timeout=600)
+    return run_json("megatron_single.py", tmp_path_factory.mktemp("megatron_single"), timeout=600, light_main=True)
 
 
 # ------------------------------------------------------------------ builder: what was built
@@ -227,10 +225,9 @@ def test_shims_are_idempotent_and_map_cuda_to_cpu(single):
 
 
 def test_models_smoke_cli_prints_counts_and_losses(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "sao_megatron.cli", "models", "smoke", "--config",
-                           "configs/models/tiny_moe.yaml", "--set", "actor.optimizer.lr=1e-3", "--steps", "2"],
-                          capture_output=True, text=True, timeout=600, cwd=pathlib.Path(__file__).resolve().parents[2])
-    assert proc.returncode == 0, tail(proc)
+    proc = launch(["sao_megatron.cli", "models", "smoke", "--config", "configs/models/tiny_moe.yaml", "--set",
+                   "actor.optimizer.lr=1e-3", "--steps", "2"], module=True, timeout=600,
+                  cwd=pathlib.Path(__file__).resolve().parents[2])  # python -m sao_megatron.cli ...
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
             for line in proc.stdout.splitlines() if line.startswith("│")}
     assert set(rows) == {"actor", "critic"}

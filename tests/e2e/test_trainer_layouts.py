@@ -4,14 +4,15 @@ gloo give the TP1 loss for the same weights and batch."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "component"))  # the one megatron_launch (its server) of the session
+from megatron_launch import launch  # noqa: E402
+
 SCRIPT = REPO / "tests" / "e2e" / "mp_scripts" / "update_parity.py"
 CONFIG = REPO / "configs" / "experiments" / "tiny_cpu.yaml"
 
@@ -19,10 +20,8 @@ pytestmark = pytest.mark.e2e
 
 
 def torchrun(nproc: int, ckpt, out, *args: str, config: pathlib.Path = CONFIG, timeout: int = 600) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(SCRIPT), str(config), str(ckpt), str(out), *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """``torchrun --standalone --nproc_per_node=NPROC update_parity.py ...`` as megatron_launch starts it."""
+    proc = launch([SCRIPT, config, ckpt, out, *args], nproc=nproc, cwd=REPO, timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return json.loads(pathlib.Path(out).read_text())
 
@@ -42,8 +41,8 @@ def test_first_step_loss_equal_at_tp2_and_ep2(tmp_path):
 
 def test_non_finite_loss_is_skipped_then_stops(tmp_path):
     out = tmp_path / "nan.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "e2e" / "mp_scripts" / "nan_guard.py"), str(CONFIG),
-                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = launch([REPO / "tests" / "e2e" / "mp_scripts" / "nan_guard.py", CONFIG, out], cwd=REPO, timeout=600,
+                  check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["good_applied"] and r["changed_by_good"]
@@ -57,8 +56,8 @@ def test_non_finite_loss_is_skipped_then_stops(tmp_path):
 ])
 def test_bad_data_fails_before_training_with_one_line(tmp_path, override, message):
     run_dir = tmp_path / "bad"
-    proc = subprocess.run([sys.executable, "-m", "sao_megatron.cli", "train", "--config", str(CONFIG), "--run-dir",
-                           str(run_dir), "--set", override], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = launch(["sao_megatron.cli", "train", "--config", CONFIG, "--run-dir", run_dir, "--set", override],
+                  module=True, cwd=REPO, timeout=300, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("sao-megatron train: error:") and message in last
@@ -68,9 +67,8 @@ def test_bad_data_fails_before_training_with_one_line(tmp_path, override, messag
 def test_empty_dataset_is_refused(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    proc = subprocess.run([sys.executable, "-m", "sao_megatron.cli", "train", "--config", str(CONFIG), "--run-dir",
-                           str(tmp_path / "run"), "--set", f"data.path={empty}"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    proc = launch(["sao_megatron.cli", "train", "--config", CONFIG, "--run-dir", tmp_path / "run", "--set",
+                   f"data.path={empty}"], module=True, cwd=REPO, timeout=300, check=False)
     assert proc.returncode == 2 and "empty" in proc.stderr.strip().splitlines()[-1].lower()
 
 
@@ -78,8 +76,8 @@ def test_grpo_clip_bites_only_with_several_steps_per_batch(tmp_path):
     """Issue 16: with one optimizer step per batch GRPO's old log-probs equal the current ones
     (ratio 1, no clip: plain REINFORCE); PPO-style epochs x mini-batches make the clip real."""
     out = tmp_path / "ppo.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "e2e" / "mp_scripts" / "ppo_epochs.py"), str(CONFIG),
-                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = launch([REPO / "tests" / "e2e" / "mp_scripts" / "ppo_epochs.py", CONFIG, out], cwd=REPO, timeout=600,
+                  check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     result = json.loads(out.read_text())
     single, epochs = result["single"], result["epochs"]
