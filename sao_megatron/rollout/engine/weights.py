@@ -91,10 +91,10 @@ class EngineWeights:
         self._flat: dict[str, torch.Tensor] = {}
         self._slots_model = None
         # Reused for every flattened bucket: a fresh buffer per push costs a page fault per 4 KiB
-        # (measured 50-80 ms for 44 MB against 26 ms for the broadcast itself). Its views live until
-        # ``load`` returns; the update lock serialises receive + load, so the next receive never
-        # overwrites tensors still to be loaded.
-        self._recv_buf = torch.empty(0, dtype=torch.uint8)
+        # (measured 50-80 ms for 44 MB against 26 ms for the broadcast itself). Two, so that bucket
+        # k+1 is received while bucket k is loaded; a slot's views live until its ``load`` returns,
+        # and the update route waits for that load before receiving into the slot again.
+        self._recv_bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
 
     # ---------------------------------------------------------------- update groups
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -126,8 +126,10 @@ class EngineWeights:
         return True, "Succeeded to destroy custom process group."
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-                load_format: str | None) -> NamedTensors:
-        """The announced tensors, broadcast by rank 0 of ``group_name`` (blocking, bounded by the timeout)."""
+                load_format: str | None, slot: int = 0) -> NamedTensors:
+        """The announced tensors, broadcast by rank 0 of ``group_name`` (blocking, bounded by the timeout);
+        a flattened bucket lands in receive buffer ``slot`` (0 or 1), whose previous views the caller
+        no longer uses."""
         if group_name not in self.groups:
             raise ValueError(f"Group {group_name} not in {list(self.groups)}. "
                              "Please call `init_weights_update_group` first.")
@@ -135,12 +137,12 @@ class EngineWeights:
         torch_dtypes = [torch_dtype(d) for d in dtypes]
         if load_format == FLATTENED_BUCKET:
             sizes = [torch.Size(s).numel() * d.itemsize for d, s in zip(torch_dtypes, shapes)]
-            buf = self._bucket_buffer(sum(sizes))
+            buf = self._bucket_buffer(sum(sizes), slot)
             unflatten_bucket(buf, torch_dtypes, shapes)  # layout checks before joining the broadcast
             try:
                 dist.broadcast(buf, src=0, group=group)
             except BaseException:  # an abandoned collective may still write into it: never reuse it
-                self._recv_buf = torch.empty(0, dtype=torch.uint8)
+                self._recv_bufs[slot] = torch.empty(0, dtype=torch.uint8)
                 raise
             return list(zip(names, unflatten_bucket(buf, torch_dtypes, shapes)))
         if load_format is not None:
@@ -151,12 +153,12 @@ class EngineWeights:
             handle.wait()
         return out
 
-    def _bucket_buffer(self, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of the reused receive buffer (grown to the largest bucket seen)."""
-        if self._recv_buf.numel() < nbytes:
-            self._recv_buf = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
-            self._recv_buf = torch.empty(nbytes, dtype=torch.uint8)
-        return self._recv_buf[:nbytes]
+    def _bucket_buffer(self, nbytes: int, slot: int) -> torch.Tensor:
+        """The first ``nbytes`` of receive buffer ``slot`` (grown to the largest bucket seen)."""
+        if self._recv_bufs[slot].numel() < nbytes:
+            self._recv_bufs[slot] = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
+            self._recv_bufs[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._recv_bufs[slot][:nbytes]
 
     # ---------------------------------------------------------------- loading
     def slots(self) -> dict[str, Slot]:
