@@ -19,8 +19,10 @@ Per push (SGLang 0.5.23 protocol): rank 0 opens ``/begin_weight_update`` on
 every live engine while generation is paused; the senders stream their buckets
 (one ``flattened_bucket`` broadcast per bucket, one dtype per bucket so every
 tensor is aligned) with ``/update_weights_from_distributed`` announcing names,
-dtypes and shapes; after every sender finished, rank 0 sends its held-back last
-bucket carrying ``weight_version`` and ``flush_cache``; ``/end_weight_update``.
+dtypes and shapes; after every sender finished, rank 0 sends a last bucket
+(one small tensor again) carrying ``weight_version`` and ``flush_cache``;
+``/end_weight_update``. Buckets are pipelined: the sender flattens bucket k+1
+while k is on the wire, and the embedded engine receives k+1 while it loads k.
 After the first push of a layout (and on demand) the engines' ``/weights_checker``
 checksums are compared with the senders' own: a mismatch stops every rank with
 the tensor's name. Every HTTP call and group operation is bounded by ``timeout_s``.
@@ -187,7 +189,7 @@ class DistributedWeightSync:
         self.needs_verify = verify
         self.last_stats: list[_SenderStats] = []
         self._began: list[int] = []
-        self._send_bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(3)]  # see _flatten
+        self._send_bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]  # see _flatten
         if pipeline_bytes is None:
             pipeline_bytes = GLOO_PIPELINE_BYTES if backend == "gloo" else bucket_bytes
         self.chunk_bytes = min(bucket_bytes, pipeline_bytes)
@@ -347,10 +349,10 @@ class DistributedWeightSync:
             with _timed(stats.phases, "begin"):
                 live = self.world.bcast(self._begin_sessions() if self.world.rank == 0 else None)
             with _timed(stats.phases, "stream"):
-                held = self._stream(owned, live, stats, verify)
+                last = self._stream(owned, live, stats, verify)
             stats.seconds = time.perf_counter() - start
             everyone: list[_SenderStats] = self.world.gather(stats)
-            verdict = self._finish(held, version, everyone, verify) if self.world.rank == 0 else None
+            verdict = self._finish(last, version, everyone, verify) if self.world.rank == 0 else None
         finally:
             self._end_sessions()
         verdict = self.world.bcast(verdict)
@@ -377,29 +379,28 @@ class DistributedWeightSync:
         return live
 
     def _stream(self, owned, live: list[int], stats: _SenderStats, verify: bool) -> _Flat | None:
-        """Send every full bucket; rank 0 keeps its last one back (flattened) for the version-carrying call.
+        """Send every bucket; rank 0 returns the version-carrying last call's bucket: its smallest tensor
+        outside any loader group, sent once more (it must carry a tensor, and a small one makes the call
+        cost a round trip and the engines' last loads, not a whole bucket's receive and load in series).
 
         Pipelined: bucket k+1 is flattened into the other send buffer while bucket k is on the wire
         (``_send_to_engines`` in the send thread), so a push costs the broadcasts plus one flatten."""
-        held: _Flat | None = None
+        final: tuple[str, torch.Tensor] | None = None
         inflight = None
         for k, bucket in enumerate(_buckets(owned, self.chunk_bytes)):
             stats.owned += sum(t.numel() * t.element_size() for _, t in bucket)
             if verify:
                 for holding in {l.holding for l in self.links if not l.holding.unverifiable}:
                     stats.checksums.setdefault(holding, {}).update(expected_checksums(bucket, holding))
-            flat = self._flatten(bucket, k, stats)  # overlaps the send of bucket k-1 (rank 0: k-2)
+            if self.world.rank == 0:
+                final = _smallest_alone(bucket, final)
+            flat = self._flatten(bucket, k, stats)  # overlaps the send of bucket k-1
             if inflight is not None:
                 self._wait_send(inflight, stats)
-                inflight = None
-            if self.world.rank == 0:
-                flat, held = held, flat
-                if flat is None:
-                    continue
             inflight = self.sender.submit(self._send_to_engines, flat, live, k, stats, version=None)
         if inflight is not None:
             self._wait_send(inflight, stats)
-        return held
+        return None if final is None else self._flatten([final], 0, stats)
 
     def _wait_send(self, inflight, stats: _SenderStats) -> None:
         start = time.perf_counter()
@@ -449,8 +450,8 @@ class DistributedWeightSync:
     def _flatten(self, bucket: NamedTensors, k: int, stats: _SenderStats) -> _Flat:
         """``flatten_bucket``'s bytes (none for the per-tensor format). On CPU into one of two buffers
         reused by every push (a fresh buffer page-faults every 4 KiB: 30-50 ms of a 75 ms push of 44 MB).
-        Three buffers: bucket k is flattened while k-1 is on the wire and rank 0 still holds k-1 or k-2
-        back; bucket k uses buffer k % 3, whose previous send (bucket k-3) has completed."""
+        Two buffers: bucket k is flattened into buffer k % 2 while bucket k-1 is on the wire from the
+        other; the send of bucket k-2 from it has completed."""
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
         if self.load_format != FLATTENED_BUCKET:
             return _Flat(bucket, nbytes, None, None)
@@ -467,18 +468,18 @@ class DistributedWeightSync:
         stats.phases["flatten"] = stats.phases.get("flatten", 0.0) + time.perf_counter() - start
         return flat
 
-    def _finish(self, held: _Flat | None, version: int, everyone: list[_SenderStats],
+    def _finish(self, last: _Flat | None, version: int, everyone: list[_SenderStats],
                 verify: bool) -> dict[str, float] | str:
         """(rank 0) The version-carrying last bucket, session ends, checksums; metrics or an error message."""
         failed = {u: why for s in everyone for u, why in s.failed.items()}
         for link in self.links:
             if link.failed is None and link.url in failed:
                 link.failed = failed[link.url]
-        assert held, "rank 0 owns tensors of every export (the embedding)"
+        assert last, "rank 0 owns tensors of every export (the embedding)"
         stats0 = _SenderStats()
         live = [l.index for l in self.links if l.failed is None]
         with _timed(everyone[0].phases, "last_bucket"):
-            self._send_to_engines(held, live, 0, stats0, version=version)
+            self._send_to_engines(last, live, 0, stats0, version=version)
         for link in self.links:
             if link.url in stats0.failed and link.failed is None:
                 link.failed = stats0.failed[link.url]
@@ -527,7 +528,8 @@ class DistributedWeightSync:
     def _metrics(self, everyone: list[_SenderStats], stats0: _SenderStats, unverified: int) -> dict[str, float]:
         """``weight_sync/verified`` is 1 only when every engine the push reached had its checksums compared."""
         failed = [l for l in self.links if l.failed is not None]
-        return {"weight_sync/bytes": float(sum(s.bytes for s in everyone) + stats0.bytes),
+        # the version-carrying call repeats one tensor already delivered: not counted as weights sent
+        return {"weight_sync/bytes": float(sum(s.bytes for s in everyone)),
                 "weight_sync/engine_bytes": float(sum(s.owned for s in everyone)),
                 "weight_sync/num_senders": float(sum(s.owned > 0 for s in everyone)),
                 "weight_sync/sender_bytes_max": float(max(s.owned for s in everyone)),
@@ -563,6 +565,18 @@ def check_engine(http: httpx.Client, url: str, expected: dict[str, str], *, stri
     if not compared:
         logger.warning("%s: no tensor named alike on both sides; weights not verified", url)
     return compared
+
+
+def _smallest_alone(bucket: NamedTensors, best: tuple[str, torch.Tensor] | None) -> tuple[str, torch.Tensor] | None:
+    """The smaller of ``best`` and the bucket's smallest tensor that SGLang's loaders take on its own
+    (loading it twice is harmless; a loader-group member alone would be dropped or break its pair)."""
+    from sao_megatron.rollout.loader_groups import ANY_FAMILY, group_key
+
+    for name, t in bucket:
+        size = t.numel() * t.element_size()
+        if (best is None or size < best[1].numel() * best[1].element_size()) and group_key(name, ANY_FAMILY) is None:
+            best = (name, t)
+    return best
 
 
 def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
