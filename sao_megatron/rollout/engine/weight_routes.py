@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -23,7 +24,7 @@ from fastapi.responses import JSONResponse
 from sao_megatron.rollout.engine.core import EngineCore
 from sao_megatron.rollout.engine.request_body import json_body
 from sao_megatron.rollout.engine.requests import BadRequest
-from sao_megatron.rollout.engine.weights import EngineWeights, NamedTensors
+from sao_megatron.rollout.engine.weights import EngineWeights
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +87,13 @@ class WeightRoutes:
         """SGLang's is_fully_idle(ignore_waiting=paused): nothing running, nothing queued unless paused."""
         return not self.core.running and (bool(self.core.paused) or not self.core.waiting)
 
-    async def _apply(self, named: NamedTensors, *, version: Any, flush: bool, abort_all: bool) -> tuple[bool, str]:
-        """Copy ``named`` into the model between two forwards, then version and flush as SGLang does."""
+    async def _apply(self, load: Callable[[], None], *, version: Any, flush: bool,
+                     abort_all: bool) -> tuple[bool, str]:
+        """Run ``load`` (into the live parameters) between two forwards, then version and flush as SGLang does."""
         def apply() -> tuple[bool, str]:
             if abort_all:
                 self.core.abort_all("aborted for a weight update")
-            self.weights.load(named)
+            load()
             if version is not None:
                 self.core.weight_version = str(version)
             if flush and not self._can_flush():
@@ -103,13 +105,17 @@ class WeightRoutes:
         body = await self._json(request)
         path = _field(body, "model_path", str)
         version = _field(body, "weight_version", (str, type(None)), None)
-        try:
-            named = await asyncio.to_thread(self.weights.read_checkpoint, path)
+        try:  # every check from the headers, before a byte of the live weights changes
+            entries = await asyncio.to_thread(self.weights.plan_checkpoint, path)
         except (ValueError, OSError) as exc:
             return _reply(False, f"Failed to update weights: {exc}", num_paused_requests=0)
-        async with self.lock:
-            ok, message = await self._apply(named, version=version, flush=_field(body, "flush_cache", bool, True),
-                                            abort_all=_field(body, "abort_all_requests", bool, False))
+        async with self.lock:  # read on the engine thread (as SGLang's scheduler does): forwards wait for it
+            try:
+                ok, message = await self._apply(lambda: self.weights.read_into_live(entries), version=version,
+                                                flush=_field(body, "flush_cache", bool, True),
+                                                abort_all=_field(body, "abort_all_requests", bool, False))
+            except OSError as exc:
+                return _reply(False, f"Failed to update weights: {exc}", num_paused_requests=0)
             self.core.runner.model_dir = path
         logger.info("weights updated from %s, version %s", path, self.core.weight_version)
         return _reply(ok, message, num_paused_requests=0)
@@ -148,7 +154,8 @@ class WeightRoutes:
             error = await self._settle(list(self._loads))
             if error is not None:
                 return _reply(False, error)
-            ok, message = await self._apply(named, version=version, flush=flush, abort_all=abort_all)
+            ok, message = await self._apply(lambda: self.weights.load(named), version=version, flush=flush,
+                                            abort_all=abort_all)
         if ok and version is not None:
             message += f" Weight version updated to {version}."
         return _reply(ok, message)

@@ -14,6 +14,7 @@ backend is gloo (NCCL needs GPU tensors, which this engine does not hold).
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -77,6 +78,44 @@ def checkpoint_slots(model: torch.nn.Module) -> dict[str, Slot]:
         contiguous = bool(torch.equal(local, torch.arange(int(local[0]), int(local[0]) + local.numel())))
         slots[key] = Slot(param, tuple(idx.shape), int(local[0]), None if contiguous else local.clone())
     return slots
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True, slots=True)
+class FileTensor:
+    """Where one tensor's bytes lie in a safetensors file."""
+
+    name: str
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def safetensors_entries(path: Path) -> list[FileTensor]:
+    """The tensors of one safetensors file from its header (8-byte little-endian length, JSON), unread."""
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+    out = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {meta['dtype']}, which this engine cannot load")
+        start, end = meta["data_offsets"]
+        shape = tuple(int(d) for d in meta["shape"])
+        if end - start != torch.Size(shape).numel() * dtype.itemsize:
+            raise ValueError(f"{path}: tensor {name!r} spans {end - start} bytes, not its shape {list(shape)}")
+        out.append(FileTensor(name, path, 8 + size + start, end - start, dtype, shape))
+    return out
 
 
 class EngineWeights:
@@ -192,12 +231,16 @@ class EngineWeights:
                 flat[slot.index] = tensor.reshape(-1).to(flat.dtype)
 
     def read_checkpoint(self, model_dir: str | Path) -> NamedTensors:
-        """Every tensor of an HF safetensors directory, checked against the live model; ValueError otherwise.
-
-        Reads the files directly (no model construction): a disk update costs the read plus one copy.
-        """
+        """Every tensor of an HF safetensors directory, checked against the live model; ValueError otherwise."""
         from safetensors.torch import load_file
 
+        entries = self.plan_checkpoint(model_dir)
+        wanted = {e.name for e in entries}
+        return [(n, t) for f in sorted({e.path for e in entries}) for n, t in load_file(f).items() if n in wanted]
+
+    def plan_checkpoint(self, model_dir: str | Path) -> list[FileTensor]:
+        """Where every tensor of an HF safetensors directory lies, checked against the live model from the
+        headers alone (config, names, shapes, nothing missing); ValueError otherwise."""
         from sao_megatron.rollout.engine.model import is_mtp_tensor, read_config
 
         model_dir = Path(model_dir)
@@ -209,14 +252,33 @@ class EngineWeights:
             raise ValueError(f"config.json in {model_dir} differs from the served model in {diff[:8]}: "
                              f"an update must keep the architecture")
         config = self.runner.model.config  # MTP layers: in the checkpoint, not in the served model
-        named = [(n, t) for f in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(f).items()
-                 if not is_mtp_tensor(n, config)]
-        self.check_loadable(named)
-        missing = sorted(set(self.slots()) - {n for n, _ in named})
+        entries = [e for f in sorted(model_dir.glob("*.safetensors")) for e in safetensors_entries(f)
+                   if not is_mtp_tensor(e.name, config)]
+        self.check_loadable([(e.name, torch.empty(e.shape, device="meta")) for e in entries])
+        missing = sorted(set(self.slots()) - {e.name for e in entries})
         if missing:
             raise ValueError(f"tensors in {model_dir} lack {len(missing)} of the served model's tensors, "
                              f"e.g. {missing[:5]}")
-        return named
+        return entries
+
+    @torch.no_grad()
+    def read_into_live(self, entries: list[FileTensor]) -> None:
+        """(engine thread) Read each tensor's bytes straight into its live parameter range (the floor's one
+        copy: no tensor allocated per file, no second copy); a converted or scattered one via ``load``.
+        OSError when a file is shorter than its header says (the weights are then partly updated)."""
+        slots = self.slots()
+        for path in sorted({e.path for e in entries}):
+            with open(path, "rb", buffering=0) as fh:
+                for e in sorted((e for e in entries if e.path == path), key=lambda e: e.offset):
+                    slot, flat = slots[e.name], self._flat[slots[e.name].param]
+                    numel = e.nbytes // e.dtype.itemsize
+                    direct = slot.index is None and flat.dtype == e.dtype
+                    dest = flat[slot.start:slot.start + numel] if direct else torch.empty(numel, dtype=e.dtype)
+                    fh.seek(e.offset)
+                    if fh.readinto(memoryview(dest.view(torch.uint8).numpy())) != e.nbytes:
+                        raise OSError(f"{path} ends inside tensor {e.name!r}")
+                    if not direct:
+                        self.load([(e.name, dest.view(e.shape))])
 
     # ---------------------------------------------------------------- /weights_checker
     def _state(self, skip_tensor_list: list[str] | None) -> dict[str, torch.Tensor]:
