@@ -387,19 +387,21 @@ class DistributedWeightSync:
         (``_send_to_engines`` in the send thread), so a push costs the broadcasts plus one flatten."""
         final: tuple[str, torch.Tensor] | None = None
         inflight = None
-        for k, bucket in enumerate(_buckets(owned, self.chunk_bytes)):
-            stats.owned += sum(t.numel() * t.element_size() for _, t in bucket)
-            if verify:
-                for holding in {l.holding for l in self.links if not l.holding.unverifiable}:
-                    stats.checksums.setdefault(holding, {}).update(expected_checksums(bucket, holding))
-            if self.world.rank == 0:
-                final = _smallest_alone(bucket, final)
-            flat = self._flatten(bucket, k, stats)  # overlaps the send of bucket k-1
+        try:
+            for k, bucket in enumerate(_buckets(owned, self.chunk_bytes)):
+                stats.owned += sum(t.numel() * t.element_size() for _, t in bucket)
+                if verify:
+                    for holding in {l.holding for l in self.links if not l.holding.unverifiable}:
+                        stats.checksums.setdefault(holding, {}).update(expected_checksums(bucket, holding))
+                if self.world.rank == 0:
+                    final = _smallest_alone(bucket, final)
+                flat = self._flatten(bucket, k, stats)  # overlaps the send of bucket k-1
+                if inflight is not None:
+                    self._wait_send(inflight, stats)
+                inflight = self.sender.submit(self._send_to_engines, flat, live, k, stats, version=None)
+        finally:  # an export that fails mid-push: the bucket on the wire completes before the sessions end
             if inflight is not None:
                 self._wait_send(inflight, stats)
-            inflight = self.sender.submit(self._send_to_engines, flat, live, k, stats, version=None)
-        if inflight is not None:
-            self._wait_send(inflight, stats)
         return None if final is None else self._flatten([final], 0, stats)
 
     def _wait_send(self, inflight, stats: _SenderStats) -> None:
