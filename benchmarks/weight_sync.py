@@ -138,7 +138,8 @@ def start_engines(kind: str, model_dir: Path, root: Path, sglang_python: str | N
 class EngineSide:
     """One engine kind's server and both transports into it."""
 
-    def __init__(self, kind: str, root: Path, bucket_bytes: int, sglang_python: str | None):
+    def __init__(self, kind: str, root: Path, bucket_bytes: int, sglang_python: str | None,
+                 pipeline_bytes: int | None):
         from sao_megatron.rollout.client import RolloutClient
 
         self.kind = kind
@@ -149,7 +150,8 @@ class EngineSide:
                                    checkpoint_dtype="float32")
         self.dist = DistributedWeightSync(backend="gloo", bucket_bytes=bucket_bytes, verify=False,
                                           master_address="127.0.0.1", group_prefix=f"bench_{kind}",
-                                          strict_names=kind == "embedded", checkpoint_dtype="float32")
+                                          strict_names=kind == "embedded", checkpoint_dtype="float32",
+                                          pipeline_bytes=pipeline_bytes)
         self.dist.connect(self.engines.urls, is_sender=True)
         self.times: dict[str, list[float]] = {"disk_s": [], "dist_s": []}
         self.metrics: list[dict[str, float]] = []
@@ -192,7 +194,7 @@ def embedded_load_seconds(model_dir: Path, tensors, reps: int) -> float:
 
 
 def run_size(params_m: float, reps: int, bucket_bytes: int, root: Path, kinds: list[str],
-             sglang_python: str | None) -> dict:
+             sglang_python: str | None, pipeline_bytes: int | None = None) -> dict:
     """Floors and syncs interleaved rep by rep (a load spike hits every side alike); best of each."""
     from sao_megatron.training.run.async_bridge import AsyncBridge
 
@@ -205,7 +207,7 @@ def run_size(params_m: float, reps: int, bucket_bytes: int, root: Path, kinds: l
     sides = []
     try:
         for kind in kinds:
-            sides.append(EngineSide(kind, root, bucket_bytes, sglang_python))
+            sides.append(EngineSide(kind, root, bucket_bytes, sglang_python, pipeline_bytes))
         floor = GlooFloor(tensors, sides[0].dist.chunk_bytes, reps)
         for _ in range(reps):
             floors["disk_floor_s"].append(raw_disk_floor(tensors, root, dests))
@@ -244,6 +246,8 @@ def main() -> None:
     parser.add_argument("--params-m", type=float, nargs="+", default=[10, 30, 100])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--pipeline-mb", type=float, default=None,
+                        help="bucket cap of the distributed sync (default: its own, 16 MB over gloo)")
     parser.add_argument("--engine", nargs="+", choices=["embedded", "sglang"], default=["embedded"])
     parser.add_argument("--sglang-python", default=None, help="SGLang venv's python (else $SAO_SGLANG_PYTHON)")
     args = parser.parse_args()
@@ -253,7 +257,8 @@ def main() -> None:
           f"{'floor s':>7} {'ratio':>5}")
     for size in args.params_m:
         with tempfile.TemporaryDirectory(prefix="wsync-bench-") as tmp:
-            r = run_size(size, args.reps, args.bucket_mb << 20, Path(tmp), kinds, args.sglang_python)
+            r = run_size(size, args.reps, args.bucket_mb << 20, Path(tmp), kinds, args.sglang_python,
+                         None if args.pipeline_mb is None else int(args.pipeline_mb * (1 << 20)))
         print_row(r, kinds)
         print(json.dumps(r))
 

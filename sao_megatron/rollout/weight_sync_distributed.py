@@ -433,14 +433,15 @@ class DistributedWeightSync:
                 "flush_cache": version is not None, "abort_all_requests": False, "load_format": self.load_format}
         if version is not None:
             body["weight_version"] = str(int(version))
-        reply = self.pool.submit(self._post, link.url, "/update_weights_from_distributed", body)
+        # The broadcast waits on gloo's (NCCL's) own thread for the engine to join, which it does once it
+        # has the announcement: so this thread makes the call itself, no hop to another one.
         if flat.buf is not None:
             works = [dist.broadcast(flat.buf, src=0, group=link.group, async_op=True)]
         else:
             works = [dist.broadcast(t.detach().to(self.device).contiguous(), src=0, group=link.group, async_op=True)
                      for _, t in bucket]
         try:
-            reply.result(timeout=self.timeout_s + 10)  # the engine answers after its receive
+            self._post(link.url, "/update_weights_from_distributed", body)  # answered after the receive
             for work in works:
                 work.wait(timedelta(seconds=self.timeout_s))
         except Exception as exc:  # noqa: BLE001 - the pending broadcast is abandoned with the group
