@@ -36,7 +36,6 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -46,15 +45,14 @@ import torch
 import torch.distributed as dist
 
 from sao_megatron.errors import SaoError
-from sao_megatron.rollout.update_group import FLATTENED_BUCKET, dtype_name, flatten_bucket, init_custom_process_group
+from sao_megatron.rollout.send_buffers import GLOO_PIPELINE_BYTES, Flat, SendBuffers, smallest_alone, timed
+from sao_megatron.rollout.update_group import FLATTENED_BUCKET, dtype_name, init_custom_process_group
 from sao_megatron.rollout.weight_check import (
     EngineHolding, WeightMismatchError, compare_checksums, expected_checksums)
 
 logger = logging.getLogger(__name__)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
-GLOO_PIPELINE_BYTES = 16 << 20
-"""Bucket cap over gloo (CPU): ~10 ms on the wire, several times an update call's HTTP round trip."""
 Paused = Callable[[Callable[[], Awaitable[None]]], None]
 """Runs an update coroutine while generation is paused (rank 0's scheduler), blocking until it is done."""
 
@@ -96,27 +94,6 @@ class _SenderStats:
     """Per way of holding the weights (engines may differ): the checksums the engines must report."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds this sender spent per step of the push (``flatten``, ``wait_send``): the fixed costs."""
-
-
-@dataclass(slots=True)
-class _Flat:
-    """One bucket ready to send: its tensors and, for the flattened format, their bytes in one buffer."""
-
-    bucket: NamedTensors
-    nbytes: int
-    buf: torch.Tensor | None
-    slot: int | None
-    """Which of the reused CPU send buffers ``buf`` is a view of (None: a buffer of its own, or none)."""
-
-
-@contextmanager
-def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
-    """Adds the block's wall time to ``phases[name]`` (the per-push breakdown in the metrics)."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
 
 
 class _World:
@@ -189,7 +166,7 @@ class DistributedWeightSync:
         self.needs_verify = verify
         self.last_stats: list[_SenderStats] = []
         self._began: list[int] = []
-        self._send_bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]  # see _flatten
+        self.buffers = SendBuffers(self.device, flattened=load_format == FLATTENED_BUCKET)
         if pipeline_bytes is None:
             pipeline_bytes = GLOO_PIPELINE_BYTES if backend == "gloo" else bucket_bytes
         self.chunk_bytes = min(bucket_bytes, pipeline_bytes)
@@ -346,9 +323,9 @@ class DistributedWeightSync:
         verify = verify or self.needs_verify
         stats = _SenderStats()
         try:  # whatever fails between begin and end, the sessions end: SGLang refuses a second begin
-            with _timed(stats.phases, "begin"):
+            with timed(stats.phases, "begin"):
                 live = self.world.bcast(self._begin_sessions() if self.world.rank == 0 else None)
-            with _timed(stats.phases, "stream"):
+            with timed(stats.phases, "stream"):
                 last = self._stream(owned, live, stats, verify)
             stats.seconds = time.perf_counter() - start
             everyone: list[_SenderStats] = self.world.gather(stats)
@@ -378,7 +355,7 @@ class DistributedWeightSync:
         self._began = live
         return live
 
-    def _stream(self, owned, live: list[int], stats: _SenderStats, verify: bool) -> _Flat | None:
+    def _stream(self, owned, live: list[int], stats: _SenderStats, verify: bool) -> Flat | None:
         """Send every bucket; rank 0 returns the version-carrying last call's bucket: its smallest tensor
         outside any loader group, sent once more (it must carry a tensor, and a small one makes the call
         cost a round trip and the engines' last loads, not a whole bucket's receive and load in series).
@@ -394,7 +371,7 @@ class DistributedWeightSync:
                     for holding in {l.holding for l in self.links if not l.holding.unverifiable}:
                         stats.checksums.setdefault(holding, {}).update(expected_checksums(bucket, holding))
                 if self.world.rank == 0:
-                    final = _smallest_alone(bucket, final)
+                    final = smallest_alone(bucket, final)
                 flat = self._flatten(bucket, k, stats)  # overlaps the send of bucket k-1
                 if inflight is not None:
                     self._wait_send(inflight, stats)
@@ -409,7 +386,7 @@ class DistributedWeightSync:
         inflight.result()
         stats.phases["wait_send"] = stats.phases.get("wait_send", 0.0) + time.perf_counter() - start
 
-    def _send_to_engines(self, flat: _Flat, live: list[int], k: int, stats: _SenderStats, *,
+    def _send_to_engines(self, flat: Flat, live: list[int], k: int, stats: _SenderStats, *,
                          version: int | None) -> None:
         order = [self.links[live[(self.sender_index + k + j) % len(live)]] for j in range(len(live))] if live else []
         for link in order:
@@ -423,7 +400,7 @@ class DistributedWeightSync:
                 stats.failed[link.url] = str(exc)
                 logger.error("weight sync to %s failed: %s", link.url, exc)
 
-    def _send_bucket(self, link: EngineLink, flat: _Flat, version: int | None) -> None:
+    def _send_bucket(self, link: EngineLink, flat: Flat, version: int | None) -> None:
         """Announce and broadcast one bucket to one engine; EngineSyncFailed if either side fails."""
         if link.group is None:
             raise EngineSyncFailed(f"{link.url}: no update group (call reconnect)")
@@ -446,32 +423,14 @@ class DistributedWeightSync:
                 work.wait(timedelta(seconds=self.timeout_s))
         except Exception as exc:  # noqa: BLE001 - the pending broadcast is abandoned with the group
             link.group = None  # half-done collectives poison the group: rebuilt by reconnect
-            if flat.slot is not None:  # the abandoned send may still read it: never write into it again
-                self._send_bufs[flat.slot] = torch.empty(0, dtype=torch.uint8)
+            self.buffers.drop(flat)  # the abandoned send may still read it
             raise EngineSyncFailed(str(exc)) from None
 
-    def _flatten(self, bucket: NamedTensors, k: int, stats: _SenderStats) -> _Flat:
-        """``flatten_bucket``'s bytes (none for the per-tensor format). On CPU into one of two buffers
-        reused by every push (a fresh buffer page-faults every 4 KiB: 30-50 ms of a 75 ms push of 44 MB).
-        Two buffers: bucket k is flattened into buffer k % 2 while bucket k-1 is on the wire from the
-        other; the send of bucket k-2 from it has completed."""
-        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-        if self.load_format != FLATTENED_BUCKET:
-            return _Flat(bucket, nbytes, None, None)
-        start = time.perf_counter()
-        if self.device.type != "cpu":
-            flat = _Flat(bucket, nbytes, flatten_bucket([t for _, t in bucket]).to(self.device), None)
-        else:
-            slot = k % len(self._send_bufs)
-            if self._send_bufs[slot].numel() < nbytes:
-                self._send_bufs[slot] = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
-                self._send_bufs[slot] = torch.empty(nbytes, dtype=torch.uint8)
-            parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-            flat = _Flat(bucket, nbytes, torch.cat(parts, out=self._send_bufs[slot][:nbytes]), slot)
-        stats.phases["flatten"] = stats.phases.get("flatten", 0.0) + time.perf_counter() - start
-        return flat
+    def _flatten(self, bucket: NamedTensors, k: int, stats: _SenderStats) -> Flat:
+        with timed(stats.phases, "flatten"):
+            return self.buffers.flatten(bucket, k)
 
-    def _finish(self, last: _Flat | None, version: int, everyone: list[_SenderStats],
+    def _finish(self, last: Flat | None, version: int, everyone: list[_SenderStats],
                 verify: bool) -> dict[str, float] | str:
         """(rank 0) The version-carrying last bucket, session ends, checksums; metrics or an error message."""
         failed = {u: why for s in everyone for u, why in s.failed.items()}
@@ -481,12 +440,12 @@ class DistributedWeightSync:
         assert last, "rank 0 owns tensors of every export (the embedding)"
         stats0 = _SenderStats()
         live = [l.index for l in self.links if l.failed is None]
-        with _timed(everyone[0].phases, "last_bucket"):
+        with timed(everyone[0].phases, "last_bucket"):
             self._send_to_engines(last, live, 0, stats0, version=version)
         for link in self.links:
             if link.url in stats0.failed and link.failed is None:
                 link.failed = stats0.failed[link.url]
-        with _timed(everyone[0].phases, "end"):
+        with timed(everyone[0].phases, "end"):
             self._end_sessions()
         ok = [l for l in self.links if l.failed is None]
         if not ok:
@@ -499,7 +458,7 @@ class DistributedWeightSync:
                 for holding, sums in s.checksums.items():
                     expected.setdefault(holding, {}).update(sums)
             try:
-                with _timed(everyone[0].phases, "verify"):
+                with timed(everyone[0].phases, "verify"):
                     unverified = self._verify(ok, expected)
             except WeightMismatchError as exc:
                 return f"mismatch: {exc}"
@@ -568,18 +527,6 @@ def check_engine(http: httpx.Client, url: str, expected: dict[str, str], *, stri
     if not compared:
         logger.warning("%s: no tensor named alike on both sides; weights not verified", url)
     return compared
-
-
-def _smallest_alone(bucket: NamedTensors, best: tuple[str, torch.Tensor] | None) -> tuple[str, torch.Tensor] | None:
-    """The smaller of ``best`` and the bucket's smallest tensor that SGLang's loaders take on its own
-    (loading it twice is harmless; a loader-group member alone would be dropped or break its pair)."""
-    from sao_megatron.rollout.loader_groups import ANY_FAMILY, group_key
-
-    for name, t in bucket:
-        size = t.numel() * t.element_size()
-        if (best is None or size < best[1].numel() * best[1].element_size()) and group_key(name, ANY_FAMILY) is None:
-            best = (name, t)
-    return best
 
 
 def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
