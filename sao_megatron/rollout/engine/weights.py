@@ -275,8 +275,12 @@ class EngineWeights:
                     direct = slot.index is None and flat.dtype == e.dtype
                     dest = flat[slot.start:slot.start + numel] if direct else torch.empty(numel, dtype=e.dtype)
                     fh.seek(e.offset)
-                    if fh.readinto(memoryview(dest.view(torch.uint8).numpy())) != e.nbytes:
-                        raise OSError(f"{path} ends inside tensor {e.name!r}")
+                    view, got = memoryview(dest.view(torch.uint8).numpy()), 0
+                    while got < e.nbytes:  # one read returns at most ~2 GiB on Linux
+                        n = fh.readinto(view[got:])
+                        if not n:
+                            raise OSError(f"{path} ends inside tensor {e.name!r}")
+                        got += n
                     if not direct:
                         self.load([(e.name, dest.view(e.shape))])
 
