@@ -1,19 +1,25 @@
-"""Weight sync into a live embedded engine vs the raw floor of the same bytes, on CPU.
+"""Weight sync into live engines vs the raw floor of the same bytes, on CPU.
 
-    python benchmarks/weight_sync.py [--params-m 10 50 200] [--reps 3] [--bucket-mb 512]
+    python benchmarks/weight_sync.py [--params-m 10 30 100] [--reps 3] [--bucket-mb 512]
+                                     [--engine embedded sglang] [--sglang-python PATH]
 
-For random Qwen3-MoE-shaped checkpoints of about each size (fp32), with one embedded engine
-serving the model, prints side by side (best of ``--reps``):
+For random Qwen3-MoE-shaped checkpoints of about each size (fp32), with one server per engine kind
+(``embedded``: this project's engine; ``sglang``: the real SGLang 0.5.23 server on CPU, its python
+from ``--sglang-python`` or ``$SAO_SGLANG_PYTHON``), prints side by side (best of ``--reps``):
   - ``disk``: ``DiskWeightSync.push`` (write the safetensors parts + index, the engine loads them
-    into its live parameters via ``/update_weights_from_disk`` inside an update session);
+    into its live parameters via ``/update_weights_from_disk``);
   - ``disk floor``: the raw bytes written to one file and read back into preallocated tensors
     (no header, no serialisation, no HTTP, no engine);
   - ``dist``: ``DistributedWeightSync.push`` (flattened buckets over a gloo update group with the
     announcements over HTTP, loaded into the engine's parameters; checksums off);
-  - ``dist floor``: the same buckets copied into one buffer each (the flattened format's own
-    copy) and broadcast over gloo into receive buffers allocated once in a second process;
-and the ratios floor/sync (targets: disk >= 0.5, distributed >= 0.7). Each rep times the four
-back to back (floor, sync, floor, sync), so a load spike on a busy machine hits both sides alike.
+  - ``dist floor``: the same buckets (the sync's own bucket size) copied into one buffer each (the
+    flattened format's own copy) and broadcast over gloo into receive buffers allocated once in a
+    second process;
+and the ratios floor/sync (targets: disk >= 0.5, distributed >= 0.7). Each rep times the floors and
+every engine's syncs back to back, so a load spike on a busy machine hits all sides alike. Then the
+fixed per-push costs of the distributed push (the best rep's breakdown from its metrics, a
+pause/continue round trip, one verified push's checksum comparison, and the embedded engine's
+in-place load of the same tensors, measured in this process).
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ def make_checkpoint(out: Path, params_m: float) -> list[tuple[str, torch.Tensor]
     layers = max(1, round((params_m * 1e6 - 2 * 8192 * 256) / per_layer))
     cfg = Qwen3MoeConfig(vocab_size=8192, hidden_size=256, intermediate_size=1024, moe_intermediate_size=512,
                          num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=False)
+                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=False,
+                         dtype=torch.float32, architectures=["Qwen3MoeForCausalLM"])
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(cfg)
     from transformers.core_model_loading import revert_weight_conversion
@@ -118,56 +125,141 @@ class GlooFloor:
             raise RuntimeError(f"the floor's receiver process exited with {self.child.exitcode}")
 
 
-def run_size(params_m: float, reps: int, bucket_bytes: int, root: Path) -> dict[str, float]:
-    """Floors and syncs interleaved rep by rep (a load spike hits both sides alike); best of each."""
-    from sao_megatron.rollout.client import RolloutClient
+def start_engines(kind: str, model_dir: Path, root: Path, sglang_python: str | None):
+    """One server of ``kind`` on the checkpoint (a started ``LocalEngines``/``SGLangEngines``)."""
+    if kind == "embedded":
+        return LocalEngines(model_dir, 1, log_dir=root / f"logs-{kind}", extra_args=["--num-threads", "1"]).__enter__()
+    from sao_megatron.rollout.launch import SGLangEngines, sglang_python as find_python
+
+    return SGLangEngines(model_dir, 1, python=find_python(sglang_python), device="cpu", max_total_tokens=4096,
+                         log_dir=root / f"logs-{kind}", extra_args=["--skip-tokenizer-init"]).__enter__()
+
+
+class EngineSide:
+    """One engine kind's server and both transports into it."""
+
+    def __init__(self, kind: str, root: Path, bucket_bytes: int, sglang_python: str | None,
+                 pipeline_bytes: int | None):
+        from sao_megatron.rollout.client import RolloutClient
+
+        self.kind = kind
+        self.engines = start_engines(kind, root / "model", root, sglang_python)
+        self.client = RolloutClient(self.engines.urls)
+        self.disk = DiskWeightSync(client=self.client, sync_root=root / f"sync-{kind}", template_dir=root / "model",
+                                   collective=False, verify=False, keep_last=1, strict_names=kind == "embedded",
+                                   checkpoint_dtype="float32")
+        self.dist = DistributedWeightSync(backend="gloo", bucket_bytes=bucket_bytes, verify=False,
+                                          master_address="127.0.0.1", group_prefix=f"bench_{kind}",
+                                          strict_names=kind == "embedded", checkpoint_dtype="float32",
+                                          pipeline_bytes=pipeline_bytes)
+        self.dist.connect(self.engines.urls, is_sender=True)
+        self.times: dict[str, list[float]] = {"disk_s": [], "dist_s": []}
+        self.metrics: list[dict[str, float]] = []
+
+    def rep(self, tensors, bridge, version) -> None:
+        self.times["disk_s"].append(timed(lambda: self.disk.push(tensors, next(version),
+                                                                 paused=lambda fn: bridge.run(fn()))))
+        start = time.perf_counter()
+        self.metrics.append(self.dist.push(tensors, next(version)))
+        self.times["dist_s"].append(time.perf_counter() - start)
+
+    def fixed_costs(self, tensors, bridge, version) -> dict[str, float]:
+        """The best distributed rep's breakdown, a pause/continue round trip and a verified push's check."""
+        best = self.metrics[min(range(len(self.metrics)), key=lambda i: self.times["dist_s"][i])]
+        out = {k.removeprefix("weight_sync/").removesuffix("_seconds"): v for k, v in best.items()
+               if k.endswith("_seconds") and "sender_seconds" not in k}
+
+        async def pause_continue():
+            await self.client.pause_generation("retract")
+            await self.client.continue_generation()
+        out["pause+continue"] = min(timed(lambda: bridge.run(pause_continue())) for _ in range(3))
+        out["verify"] = self.dist.push(tensors, next(version), verify=True).get("weight_sync/verify_seconds", 0.0)
+        return out
+
+    def close(self, bridge) -> None:
+        self.dist.close()
+        self.disk.close()
+        bridge.run(self.client.aclose())
+        self.engines.__exit__(None, None, None)
+
+
+def embedded_load_seconds(model_dir: Path, tensors, reps: int) -> float:
+    """The embedded engine's in-place load of ``tensors`` into its live parameters (this process)."""
+    from sao_megatron.rollout.engine.model import ModelRunner
+    from sao_megatron.rollout.engine.weights import EngineWeights
+
+    weights = EngineWeights(ModelRunner(model_dir))
+    weights.load(tensors)  # builds the slot table once, as the engine's first push does
+    return min(timed(lambda: weights.load(tensors)) for _ in range(reps))
+
+
+def run_size(params_m: float, reps: int, bucket_bytes: int, root: Path, kinds: list[str],
+             sglang_python: str | None, pipeline_bytes: int | None = None) -> dict:
+    """Floors and syncs interleaved rep by rep (a load spike hits every side alike); best of each."""
     from sao_megatron.training.run.async_bridge import AsyncBridge
 
     tensors = make_checkpoint(root / "model", params_m)
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-    row = {"params_m": sum(t.numel() for _, t in tensors) / 1e6, "mb": nbytes / 1e6}
+    row: dict = {"params_m": sum(t.numel() for _, t in tensors) / 1e6, "mb": nbytes / 1e6}
     dests = [torch.zeros_like(t) for _, t in tensors]
-    times: dict[str, list[float]] = {"disk_floor_s": [], "disk_s": [], "dist_floor_s": [], "dist_s": []}
+    floors: dict[str, list[float]] = {"disk_floor_s": [], "dist_floor_s": []}
     bridge, version = AsyncBridge(), iter(range(1, 1000))
-    floor = GlooFloor(tensors, bucket_bytes, reps)
-    with LocalEngines(root / "model", 1, log_dir=root / "logs", extra_args=["--num-threads", "1"]) as engines:
-        client = RolloutClient(engines.urls)
-        disk = DiskWeightSync(client=client, sync_root=root / "sync", template_dir=root / "model", collective=False,
-                              verify=False, keep_last=1)
-        dist = DistributedWeightSync(backend="gloo", bucket_bytes=bucket_bytes, verify=False,
-                                     master_address="127.0.0.1")
-        dist.connect(engines.urls, is_sender=True)
+    sides = []
+    try:
+        for kind in kinds:
+            sides.append(EngineSide(kind, root, bucket_bytes, sglang_python, pipeline_bytes))
+        floor = GlooFloor(tensors, sides[0].dist.chunk_bytes, reps)
         for _ in range(reps):
-            times["disk_floor_s"].append(raw_disk_floor(tensors, root, dests))
-            times["disk_s"].append(timed(lambda: disk.push(tensors, next(version),
-                                                           paused=lambda fn: bridge.run(fn()))))
-            times["dist_floor_s"].append(floor.once())
-            times["dist_s"].append(timed(lambda: dist.push(tensors, next(version))))
-        dist.close()
-        disk.close()
-        bridge.run(client.aclose())
-    bridge.close()
-    floor.close()
-    row |= {k: min(v) for k, v in times.items()}
-    row["disk_ratio"] = row["disk_floor_s"] / row["disk_s"]
-    row["dist_ratio"] = row["dist_floor_s"] / row["dist_s"]
+            floors["disk_floor_s"].append(raw_disk_floor(tensors, root, dests))
+            floors["dist_floor_s"].append(floor.once())
+            for side in sides:
+                side.rep(tensors, bridge, version)
+        floor.close()
+        row |= {k: min(v) for k, v in floors.items()}
+        for side in sides:
+            row[side.kind] = {k: min(v) for k, v in side.times.items()}
+            row[side.kind]["fixed"] = side.fixed_costs(tensors, bridge, version)
+    finally:
+        for side in sides:
+            side.close(bridge)
+        bridge.close()
+    if "embedded" in kinds:
+        row["embedded"]["fixed"]["engine_load"] = embedded_load_seconds(root / "model", tensors, reps)
+    for kind in kinds:
+        row[kind]["disk_ratio"] = row["disk_floor_s"] / row[kind]["disk_s"]
+        row[kind]["dist_ratio"] = row["dist_floor_s"] / row[kind]["dist_s"]
     return row
+
+
+def print_row(r: dict, kinds: list[str]) -> None:
+    for kind in kinds:
+        e = r[kind]
+        print(f"{r['params_m']:7.1f}M {r['mb']:7.0f} {kind:>8} | {e['disk_s']:7.3f} {r['disk_floor_s']:7.3f} "
+              f"{e['disk_ratio']:5.2f} | {e['dist_s']:7.3f} {r['dist_floor_s']:7.3f} {e['dist_ratio']:5.2f}")
+    for kind in kinds:
+        fixed = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in r[kind]["fixed"].items())
+        print(f"{'':17}{kind:>8} fixed costs, ms: {fixed}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--params-m", type=float, nargs="+", default=[10, 50, 200])
+    parser.add_argument("--params-m", type=float, nargs="+", default=[10, 30, 100])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--pipeline-mb", type=float, default=None,
+                        help="bucket cap of the distributed sync (default: its own, 16 MB over gloo)")
+    parser.add_argument("--engine", nargs="+", choices=["embedded", "sglang"], default=["embedded"])
+    parser.add_argument("--sglang-python", default=None, help="SGLang venv's python (else $SAO_SGLANG_PYTHON)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"{'params':>8} {'MB':>7} | {'disk s':>7} {'floor s':>7} {'ratio':>5} | {'dist s':>7} {'floor s':>7} "
-          f"{'ratio':>5}")
+    kinds = list(dict.fromkeys(args.engine))
+    print(f"{'params':>8} {'MB':>7} {'engine':>8} | {'disk s':>7} {'floor s':>7} {'ratio':>5} | {'dist s':>7} "
+          f"{'floor s':>7} {'ratio':>5}")
     for size in args.params_m:
         with tempfile.TemporaryDirectory(prefix="wsync-bench-") as tmp:
-            r = run_size(size, args.reps, args.bucket_mb << 20, Path(tmp))
-        print(f"{r['params_m']:7.1f}M {r['mb']:7.0f} | {r['disk_s']:7.3f} {r['disk_floor_s']:7.3f} "
-              f"{r['disk_ratio']:5.2f} | {r['dist_s']:7.3f} {r['dist_floor_s']:7.3f} {r['dist_ratio']:5.2f}")
+            r = run_size(size, args.reps, args.bucket_mb << 20, Path(tmp), kinds, args.sglang_python,
+                         None if args.pipeline_mb is None else int(args.pipeline_mb * (1 << 20)))
+        print_row(r, kinds)
         print(json.dumps(r))
 
 

@@ -19,8 +19,10 @@ Per push (SGLang 0.5.23 protocol): rank 0 opens ``/begin_weight_update`` on
 every live engine while generation is paused; the senders stream their buckets
 (one ``flattened_bucket`` broadcast per bucket, one dtype per bucket so every
 tensor is aligned) with ``/update_weights_from_distributed`` announcing names,
-dtypes and shapes; after every sender finished, rank 0 sends its held-back last
-bucket carrying ``weight_version`` and ``flush_cache``; ``/end_weight_update``.
+dtypes and shapes; after every sender finished, rank 0 sends a last bucket
+(one small tensor again) carrying ``weight_version`` and ``flush_cache``;
+``/end_weight_update``. Buckets are pipelined: the sender flattens bucket k+1
+while k is on the wire, and the embedded engine receives k+1 while it loads k.
 After the first push of a layout (and on demand) the engines' ``/weights_checker``
 checksums are compared with the senders' own: a mismatch stops every rank with
 the tensor's name. Every HTTP call and group operation is bounded by ``timeout_s``.
@@ -43,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from sao_megatron.errors import SaoError
-from sao_megatron.rollout.update_group import FLATTENED_BUCKET, dtype_name, flatten_bucket, init_custom_process_group
+from sao_megatron.rollout.send_buffers import GLOO_PIPELINE_BYTES, Flat, SendBuffers, smallest_alone, timed
+from sao_megatron.rollout.update_group import FLATTENED_BUCKET, dtype_name, init_custom_process_group
 from sao_megatron.rollout.weight_check import (
     EngineHolding, WeightMismatchError, compare_checksums, expected_checksums)
 
@@ -89,6 +92,8 @@ class _SenderStats:
     failed: dict[str, str] = field(default_factory=dict)
     checksums: dict[EngineHolding, dict[str, str]] = field(default_factory=dict)
     """Per way of holding the weights (engines may differ): the checksums the engines must report."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds this sender spent per step of the push (``flatten``, ``wait_send``): the fixed costs."""
 
 
 class _World:
@@ -136,8 +141,11 @@ class DistributedWeightSync:
                  api_key: str | None = None, master_address: str | None = None, group_prefix: str = "sao_wsync",
                  load_format: str | None = FLATTENED_BUCKET, verify: bool = True, device: str | None = None,
                  world_group=None, strict_names: bool = True, checkpoint_dtype: str | None = None,
-                 quantized: bool = False):
-        """``strict_names``: every exported tensor must be on the engine under its held name
+                 quantized: bool = False, pipeline_bytes: int | None = None):
+        """``pipeline_bytes``: buckets are cut at most this large (and at most ``bucket_bytes``) so that the
+        engine loads one while the next is on the wire; None: ``GLOO_PIPELINE_BYTES`` over gloo, else
+        ``bucket_bytes`` (NCCL moves a bucket faster than an HTTP round trip, so fewer calls win there).
+        ``strict_names``: every exported tensor must be on the engine under its held name
         (``weight_check.held_name``; the embedded engine); False for SGLang, compared where names coincide.
         ``checkpoint_dtype``: the export's ``torch_dtype`` (what SGLang's ``--dtype auto`` resolves from);
         ``quantized``: the engines hold FP8 weights (their checksums are of dequantized weights)."""
@@ -158,7 +166,11 @@ class DistributedWeightSync:
         self.needs_verify = verify
         self.last_stats: list[_SenderStats] = []
         self._began: list[int] = []
-        self._send_buf = torch.empty(0, dtype=torch.uint8)  # see _flat_bucket
+        self.buffers = SendBuffers(self.device, flattened=load_format == FLATTENED_BUCKET)
+        if pipeline_bytes is None:
+            pipeline_bytes = GLOO_PIPELINE_BYTES if backend == "gloo" else bucket_bytes
+        self.chunk_bytes = min(bucket_bytes, pipeline_bytes)
+        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsync-send")
 
     # ------------------------------------------------------------------ HTTP
     def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -285,6 +297,7 @@ class DistributedWeightSync:
                     logger.warning("%s", exc)
                 self._drop_group(link)
         self.pool.shutdown(wait=False)
+        self.sender.shutdown(wait=False)
         self.http.close()
 
     # ------------------------------------------------------------------ push (collective)
@@ -308,13 +321,15 @@ class DistributedWeightSync:
     def _send_all(self, owned: Iterable[tuple[str, torch.Tensor]], version: int, verify: bool) -> dict[str, float]:
         start = time.perf_counter()
         verify = verify or self.needs_verify
+        stats = _SenderStats()
         try:  # whatever fails between begin and end, the sessions end: SGLang refuses a second begin
-            live = self.world.bcast(self._begin_sessions() if self.world.rank == 0 else None)
-            stats = _SenderStats()
-            held = self._stream(owned, live, stats, verify)
+            with timed(stats.phases, "begin"):
+                live = self.world.bcast(self._begin_sessions() if self.world.rank == 0 else None)
+            with timed(stats.phases, "stream"):
+                last = self._stream(owned, live, stats, verify)
             stats.seconds = time.perf_counter() - start
             everyone: list[_SenderStats] = self.world.gather(stats)
-            verdict = self._finish(held, version, everyone, verify) if self.world.rank == 0 else None
+            verdict = self._finish(last, version, everyone, verify) if self.world.rank == 0 else None
         finally:
             self._end_sessions()
         verdict = self.world.bcast(verdict)
@@ -325,13 +340,14 @@ class DistributedWeightSync:
         return {} if verdict is None else dict(verdict, **{"weight_sync/seconds": time.perf_counter() - start})
 
     def _begin_sessions(self) -> list[int]:
-        """(rank 0) Indices of the engines whose update session opened (failed ones wait for ``reconnect``)."""
+        """(rank 0) Indices of the engines whose update session opened (failed ones wait for ``reconnect``);
+        every engine is asked at once."""
+        links = [link for link in self.links if link.failed is None]
+        replies = [self.pool.submit(self._post, link.url, "/begin_weight_update", {}) for link in links]
         live = []
-        for link in self.links:
-            if link.failed is not None:
-                continue
+        for link, reply in zip(links, replies):
             try:
-                self._post(link.url, "/begin_weight_update", {})
+                reply.result()
                 live.append(link.index)
             except EngineSyncFailed as exc:
                 link.failed = str(exc)
@@ -339,87 +355,98 @@ class DistributedWeightSync:
         self._began = live
         return live
 
-    def _stream(self, owned, live: list[int], stats: _SenderStats, verify: bool) -> NamedTensors | None:
-        """Send every full bucket; rank 0 keeps its last one back for the version-carrying final call."""
-        held: NamedTensors | None = None
-        for k, bucket in enumerate(_buckets(owned, self.bucket_bytes)):
-            stats.owned += sum(t.numel() * t.element_size() for _, t in bucket)
-            if verify:
-                for holding in {l.holding for l in self.links if not l.holding.unverifiable}:
-                    stats.checksums.setdefault(holding, {}).update(expected_checksums(bucket, holding))
-            if self.world.rank == 0:
-                bucket, held = held, bucket
-                if bucket is None:
-                    continue
-            self._send_to_engines(bucket, live, k, stats, version=None)
-        return held
+    def _stream(self, owned, live: list[int], stats: _SenderStats, verify: bool) -> Flat | None:
+        """Send every bucket; rank 0 returns the version-carrying last call's bucket: its smallest tensor
+        outside any loader group, sent once more (it must carry a tensor, and a small one makes the call
+        cost a round trip and the engines' last loads, not a whole bucket's receive and load in series).
 
-    def _send_to_engines(self, bucket: NamedTensors, live: list[int], k: int, stats: _SenderStats, *,
+        Pipelined: bucket k+1 is flattened into the other send buffer while bucket k is on the wire
+        (``_send_to_engines`` in the send thread), so a push costs the broadcasts plus one flatten."""
+        final: tuple[str, torch.Tensor] | None = None
+        inflight = None
+        try:
+            for k, bucket in enumerate(_buckets(owned, self.chunk_bytes)):
+                stats.owned += sum(t.numel() * t.element_size() for _, t in bucket)
+                if verify:
+                    for holding in {l.holding for l in self.links if not l.holding.unverifiable}:
+                        stats.checksums.setdefault(holding, {}).update(expected_checksums(bucket, holding))
+                if self.world.rank == 0:
+                    final = smallest_alone(bucket, final)
+                flat = self._flatten(bucket, k, stats)  # overlaps the send of bucket k-1
+                if inflight is not None:
+                    self._wait_send(inflight, stats)
+                inflight = self.sender.submit(self._send_to_engines, flat, live, k, stats, version=None)
+        finally:  # an export that fails mid-push: the bucket on the wire completes before the sessions end
+            if inflight is not None:
+                self._wait_send(inflight, stats)
+        return None if final is None else self._flatten([final], 0, stats)
+
+    def _wait_send(self, inflight, stats: _SenderStats) -> None:
+        start = time.perf_counter()
+        inflight.result()
+        stats.phases["wait_send"] = stats.phases.get("wait_send", 0.0) + time.perf_counter() - start
+
+    def _send_to_engines(self, flat: Flat, live: list[int], k: int, stats: _SenderStats, *,
                          version: int | None) -> None:
         order = [self.links[live[(self.sender_index + k + j) % len(live)]] for j in range(len(live))] if live else []
         for link in order:
             if link.failed or link.url in stats.failed:
                 continue
             try:
-                self._send_bucket(link, bucket, version)
-                stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                self._send_bucket(link, flat, version)
+                stats.bytes += flat.nbytes
                 stats.buckets += 1
             except EngineSyncFailed as exc:
                 stats.failed[link.url] = str(exc)
                 logger.error("weight sync to %s failed: %s", link.url, exc)
 
-    def _send_bucket(self, link: EngineLink, bucket: NamedTensors, version: int | None) -> None:
+    def _send_bucket(self, link: EngineLink, flat: Flat, version: int | None) -> None:
         """Announce and broadcast one bucket to one engine; EngineSyncFailed if either side fails."""
         if link.group is None:
             raise EngineSyncFailed(f"{link.url}: no update group (call reconnect)")
+        bucket = flat.bucket
         body = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket], "group_name": link.group_name,
                 "flush_cache": version is not None, "abort_all_requests": False, "load_format": self.load_format}
         if version is not None:
             body["weight_version"] = str(int(version))
-        reply = self.pool.submit(self._post, link.url, "/update_weights_from_distributed", body)
-        if self.load_format == FLATTENED_BUCKET:
-            works = [dist.broadcast(self._flat_bucket(bucket), src=0, group=link.group, async_op=True)]
+        # The broadcast waits on gloo's (NCCL's) own thread for the engine to join, which it does once it
+        # has the announcement: so this thread makes the call itself, no hop to another one.
+        if flat.buf is not None:
+            works = [dist.broadcast(flat.buf, src=0, group=link.group, async_op=True)]
         else:
             works = [dist.broadcast(t.detach().to(self.device).contiguous(), src=0, group=link.group, async_op=True)
                      for _, t in bucket]
         try:
-            reply.result(timeout=self.timeout_s + 10)  # the engine answers after its receive and load
+            self._post(link.url, "/update_weights_from_distributed", body)  # answered after the receive
             for work in works:
                 work.wait(timedelta(seconds=self.timeout_s))
         except Exception as exc:  # noqa: BLE001 - the pending broadcast is abandoned with the group
             link.group = None  # half-done collectives poison the group: rebuilt by reconnect
-            self._send_buf = torch.empty(0, dtype=torch.uint8)  # the abandoned send may still read it
+            self.buffers.drop(flat)  # the abandoned send may still read it
             raise EngineSyncFailed(str(exc)) from None
 
-    def _flat_bucket(self, bucket: NamedTensors) -> torch.Tensor:
-        """``flatten_bucket``'s bytes; on CPU in one buffer reused by every bucket and engine (a fresh
-        buffer page-faults every 4 KiB: 30-50 ms of a 75 ms push of 44 MB). Reused only after the
-        previous broadcast completed (``_send_bucket`` waits for it) or was abandoned (dropped)."""
-        if self.device.type != "cpu":
-            return flatten_bucket([t for _, t in bucket]).to(self.device)
-        parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-        nbytes = sum(p.numel() for p in parts)
-        if self._send_buf.numel() < nbytes:
-            self._send_buf = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
-            self._send_buf = torch.empty(nbytes, dtype=torch.uint8)
-        return torch.cat(parts, out=self._send_buf[:nbytes])
+    def _flatten(self, bucket: NamedTensors, k: int, stats: _SenderStats) -> Flat:
+        with timed(stats.phases, "flatten"):
+            return self.buffers.flatten(bucket, k)
 
-    def _finish(self, held: NamedTensors | None, version: int, everyone: list[_SenderStats],
+    def _finish(self, last: Flat | None, version: int, everyone: list[_SenderStats],
                 verify: bool) -> dict[str, float] | str:
         """(rank 0) The version-carrying last bucket, session ends, checksums; metrics or an error message."""
         failed = {u: why for s in everyone for u, why in s.failed.items()}
         for link in self.links:
             if link.failed is None and link.url in failed:
                 link.failed = failed[link.url]
-        assert held, "rank 0 owns tensors of every export (the embedding)"
+        assert last, "rank 0 owns tensors of every export (the embedding)"
         stats0 = _SenderStats()
         live = [l.index for l in self.links if l.failed is None]
-        self._send_to_engines(held, live, 0, stats0, version=version)
+        with timed(everyone[0].phases, "last_bucket"):
+            self._send_to_engines(last, live, 0, stats0, version=version)
         for link in self.links:
             if link.url in stats0.failed and link.failed is None:
                 link.failed = stats0.failed[link.url]
-        self._end_sessions()
+        with timed(everyone[0].phases, "end"):
+            self._end_sessions()
         ok = [l for l in self.links if l.failed is None]
         if not ok:
             return f"weight sync of version {version} reached no engine: " + "; ".join(
@@ -431,18 +458,20 @@ class DistributedWeightSync:
                 for holding, sums in s.checksums.items():
                     expected.setdefault(holding, {}).update(sums)
             try:
-                unverified = self._verify(ok, expected)
+                with timed(everyone[0].phases, "verify"):
+                    unverified = self._verify(ok, expected)
             except WeightMismatchError as exc:
                 return f"mismatch: {exc}"
         return self._metrics(everyone, stats0, unverified)
 
     def _end_sessions(self) -> None:
         """(rank 0) End every session this push opened (failed engines too: a live one must not keep a
-        session open); once only."""
+        session open); once only, every engine at once."""
         began, self._began = self._began, []
-        for link in [l for l in self.links if l.index in began]:
+        links = [l for l in self.links if l.index in began]
+        for link, reply in [(l, self.pool.submit(self._post, l.url, "/end_weight_update", {})) for l in links]:
             try:
-                self._post(link.url, "/end_weight_update", {})
+                reply.result()
             except EngineSyncFailed as exc:
                 link.failed = link.failed or str(exc)
 
@@ -461,12 +490,14 @@ class DistributedWeightSync:
     def _metrics(self, everyone: list[_SenderStats], stats0: _SenderStats, unverified: int) -> dict[str, float]:
         """``weight_sync/verified`` is 1 only when every engine the push reached had its checksums compared."""
         failed = [l for l in self.links if l.failed is not None]
-        return {"weight_sync/bytes": float(sum(s.bytes for s in everyone) + stats0.bytes),
+        # the version-carrying call repeats one tensor already delivered: not counted as weights sent
+        return {"weight_sync/bytes": float(sum(s.bytes for s in everyone)),
                 "weight_sync/engine_bytes": float(sum(s.owned for s in everyone)),
                 "weight_sync/num_senders": float(sum(s.owned > 0 for s in everyone)),
                 "weight_sync/sender_bytes_max": float(max(s.owned for s in everyone)),
                 "weight_sync/sender_seconds_max": max((s.seconds for s in everyone), default=0.0),
                 "weight_sync/buckets": float(sum(s.buckets for s in everyone) + stats0.buckets),
+                **{f"weight_sync/{k}_seconds": v for k, v in everyone[0].phases.items()},
                 "weight_sync/failed_engines": float(len(failed)), "weight_sync/verified": float(not unverified),
                 "weight_sync/unverified_engines": float(unverified)}
 

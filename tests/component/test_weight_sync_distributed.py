@@ -149,20 +149,20 @@ def test_session_rules_are_sglangs(engines):
 def test_corrupted_bytes_stop_with_the_tensor_name(engines, tiny_dirs, monkeypatch):  # noqa: F811
     import sao_megatron.rollout.weight_sync_distributed as wsd
 
-    real = wsd.DistributedWeightSync._flat_bucket
+    real = wsd.DistributedWeightSync._flatten
 
-    def corrupt(self, bucket):  # flips one byte of lm_head in transit (a receive-buffer race, say)
-        buf = real(self, bucket)
+    def corrupt(self, bucket, k, stats):  # flips one byte of lm_head in transit (a receive-buffer race, say)
+        flat = real(self, bucket, k, stats)
         if any(t.shape == (128, 32) for _, t in bucket):
-            buf[7] ^= 0xFF
-        return buf
-    monkeypatch.setattr(wsd.DistributedWeightSync, "_flat_bucket", corrupt)
+            flat.buf[7] ^= 0xFF
+        return flat
+    monkeypatch.setattr(wsd.DistributedWeightSync, "_flatten", corrupt)
     sync, _ = make_sync(bucket_bytes=40_000)
     sync.connect(engines.urls, is_sender=True)
     try:
         with pytest.raises(WeightMismatchError, match=r"lm_head\.weight|embed_tokens\.weight"):
             sync.push(other_tensors(tiny_dirs), 6)
-        monkeypatch.setattr(wsd.DistributedWeightSync, "_flat_bucket", real)
+        monkeypatch.setattr(wsd.DistributedWeightSync, "_flatten", real)
         sync.reconnect(engines.urls[1])  # rebuilt groups; the next push is verified again
         assert sync.needs_verify
         metrics = sync.push(other_tensors(tiny_dirs), 7)
@@ -249,3 +249,35 @@ def test_engine_killed_during_sync(engines, tiny_dirs):  # noqa: F811 - kills an
     finally:
         sync.close()
     assert time.monotonic() - start < 120
+
+
+def test_pipelined_buckets_deliver_every_tensor_in_order(engines, tiny_dirs):  # noqa: F811
+    """Many small buckets, each flattened while the one before is on the wire and loaded while the next
+    arrives (reused buffers on both ends): both engines then hold exactly the pushed bytes (sha256 of the
+    test's own tensors), bucket after bucket in the export's order, for two different pushes in a row."""
+    from sao_megatron.rollout.loader_groups import plan_buckets
+
+    named = other_tensors(tiny_dirs)
+    sync, calls = make_sync(bucket_bytes=1 << 20, pipeline_bytes=6_000, verify=False)
+    sync.connect(engines.urls, is_sender=True)
+    try:
+        for version, scale in ((21, 0.5), (22, 1.0)):
+            pushed = [(n, t * scale) for n, t in named]
+            calls.clear()
+            sync.push(pushed, version)
+            plan = plan_buckets([n for n, _ in pushed], [t.numel() * 4 for _, t in pushed],
+                                [t.dtype for _, t in pushed], family=None, max_bucket_bytes=6_000)
+            updates = [b for p, b in calls if p == "/update_weights_from_distributed"]
+            for url in engines.urls:
+                group = [b for b in updates if b["group_name"].endswith(f"_e{engines.urls.index(url)}_g1")]
+                assert len(group) == len(plan) + 1 and len(plan) > 6
+                assert [b["names"] for b in group[:-1]] == [[pushed[i][0] for i in bucket] for bucket in plan]
+                assert [b.get("weight_version") for b in group] == [None] * len(plan) + [str(version)]
+                assert len(group[-1]["names"]) == 1  # the version rides on one small tensor sent again
+                sums = httpx.post(url + "/weights_checker", json={"action": "checksum"},
+                                  headers=HEADERS).json()["ranks"][0]["checksums"]
+                for name, t in pushed:
+                    assert sums[name] == hashlib.sha256(t.contiguous().numpy().tobytes()).digest()[:8].hex(), name
+            assert versions(engines.urls) == [str(version)] * 2
+    finally:
+        sync.close()

@@ -14,6 +14,7 @@ backend is gloo (NCCL needs GPU tensors, which this engine does not hold).
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -79,6 +80,44 @@ def checkpoint_slots(model: torch.nn.Module) -> dict[str, Slot]:
     return slots
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True, slots=True)
+class FileTensor:
+    """Where one tensor's bytes lie in a safetensors file."""
+
+    name: str
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def safetensors_entries(path: Path) -> list[FileTensor]:
+    """The tensors of one safetensors file from its header (8-byte little-endian length, JSON), unread."""
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(size))
+    out = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {meta['dtype']}, which this engine cannot load")
+        start, end = meta["data_offsets"]
+        shape = tuple(int(d) for d in meta["shape"])
+        if end - start != torch.Size(shape).numel() * dtype.itemsize:
+            raise ValueError(f"{path}: tensor {name!r} spans {end - start} bytes, not its shape {list(shape)}")
+        out.append(FileTensor(name, path, 8 + size + start, end - start, dtype, shape))
+    return out
+
+
 class EngineWeights:
     """Update groups, receives, in-place loads and checksums over one ``ModelRunner``."""
 
@@ -91,10 +130,10 @@ class EngineWeights:
         self._flat: dict[str, torch.Tensor] = {}
         self._slots_model = None
         # Reused for every flattened bucket: a fresh buffer per push costs a page fault per 4 KiB
-        # (measured 50-80 ms for 44 MB against 26 ms for the broadcast itself). Its views live until
-        # ``load`` returns; the update lock serialises receive + load, so the next receive never
-        # overwrites tensors still to be loaded.
-        self._recv_buf = torch.empty(0, dtype=torch.uint8)
+        # (measured 50-80 ms for 44 MB against 26 ms for the broadcast itself). Two, so that bucket
+        # k+1 is received while bucket k is loaded; a slot's views live until its ``load`` returns,
+        # and the update route waits for that load before receiving into the slot again.
+        self._recv_bufs = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
 
     # ---------------------------------------------------------------- update groups
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -126,8 +165,10 @@ class EngineWeights:
         return True, "Succeeded to destroy custom process group."
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-                load_format: str | None) -> NamedTensors:
-        """The announced tensors, broadcast by rank 0 of ``group_name`` (blocking, bounded by the timeout)."""
+                load_format: str | None, slot: int = 0) -> NamedTensors:
+        """The announced tensors, broadcast by rank 0 of ``group_name`` (blocking, bounded by the timeout);
+        a flattened bucket lands in receive buffer ``slot`` (0 or 1), whose previous views the caller
+        no longer uses."""
         if group_name not in self.groups:
             raise ValueError(f"Group {group_name} not in {list(self.groups)}. "
                              "Please call `init_weights_update_group` first.")
@@ -135,12 +176,12 @@ class EngineWeights:
         torch_dtypes = [torch_dtype(d) for d in dtypes]
         if load_format == FLATTENED_BUCKET:
             sizes = [torch.Size(s).numel() * d.itemsize for d, s in zip(torch_dtypes, shapes)]
-            buf = self._bucket_buffer(sum(sizes))
+            buf = self._bucket_buffer(sum(sizes), slot)
             unflatten_bucket(buf, torch_dtypes, shapes)  # layout checks before joining the broadcast
             try:
                 dist.broadcast(buf, src=0, group=group)
             except BaseException:  # an abandoned collective may still write into it: never reuse it
-                self._recv_buf = torch.empty(0, dtype=torch.uint8)
+                self._recv_bufs[slot] = torch.empty(0, dtype=torch.uint8)
                 raise
             return list(zip(names, unflatten_bucket(buf, torch_dtypes, shapes)))
         if load_format is not None:
@@ -151,12 +192,12 @@ class EngineWeights:
             handle.wait()
         return out
 
-    def _bucket_buffer(self, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of the reused receive buffer (grown to the largest bucket seen)."""
-        if self._recv_buf.numel() < nbytes:
-            self._recv_buf = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
-            self._recv_buf = torch.empty(nbytes, dtype=torch.uint8)
-        return self._recv_buf[:nbytes]
+    def _bucket_buffer(self, nbytes: int, slot: int) -> torch.Tensor:
+        """The first ``nbytes`` of receive buffer ``slot`` (grown to the largest bucket seen)."""
+        if self._recv_bufs[slot].numel() < nbytes:
+            self._recv_bufs[slot] = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
+            self._recv_bufs[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._recv_bufs[slot][:nbytes]
 
     # ---------------------------------------------------------------- loading
     def slots(self) -> dict[str, Slot]:
@@ -190,12 +231,16 @@ class EngineWeights:
                 flat[slot.index] = tensor.reshape(-1).to(flat.dtype)
 
     def read_checkpoint(self, model_dir: str | Path) -> NamedTensors:
-        """Every tensor of an HF safetensors directory, checked against the live model; ValueError otherwise.
-
-        Reads the files directly (no model construction): a disk update costs the read plus one copy.
-        """
+        """Every tensor of an HF safetensors directory, checked against the live model; ValueError otherwise."""
         from safetensors.torch import load_file
 
+        entries = self.plan_checkpoint(model_dir)
+        wanted = {e.name for e in entries}
+        return [(n, t) for f in sorted({e.path for e in entries}) for n, t in load_file(f).items() if n in wanted]
+
+    def plan_checkpoint(self, model_dir: str | Path) -> list[FileTensor]:
+        """Where every tensor of an HF safetensors directory lies, checked against the live model from the
+        headers alone (config, names, shapes, nothing missing); ValueError otherwise."""
         from sao_megatron.rollout.engine.model import is_mtp_tensor, read_config
 
         model_dir = Path(model_dir)
@@ -207,14 +252,37 @@ class EngineWeights:
             raise ValueError(f"config.json in {model_dir} differs from the served model in {diff[:8]}: "
                              f"an update must keep the architecture")
         config = self.runner.model.config  # MTP layers: in the checkpoint, not in the served model
-        named = [(n, t) for f in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(f).items()
-                 if not is_mtp_tensor(n, config)]
-        self.check_loadable(named)
-        missing = sorted(set(self.slots()) - {n for n, _ in named})
+        entries = [e for f in sorted(model_dir.glob("*.safetensors")) for e in safetensors_entries(f)
+                   if not is_mtp_tensor(e.name, config)]
+        self.check_loadable([(e.name, torch.empty(e.shape, device="meta")) for e in entries])
+        missing = sorted(set(self.slots()) - {e.name for e in entries})
         if missing:
             raise ValueError(f"tensors in {model_dir} lack {len(missing)} of the served model's tensors, "
                              f"e.g. {missing[:5]}")
-        return named
+        return entries
+
+    @torch.no_grad()
+    def read_into_live(self, entries: list[FileTensor]) -> None:
+        """(engine thread) Read each tensor's bytes straight into its live parameter range (the floor's one
+        copy: no tensor allocated per file, no second copy); a converted or scattered one via ``load``.
+        OSError when a file is shorter than its header says (the weights are then partly updated)."""
+        slots = self.slots()
+        for path in sorted({e.path for e in entries}):
+            with open(path, "rb", buffering=0) as fh:
+                for e in sorted((e for e in entries if e.path == path), key=lambda e: e.offset):
+                    slot, flat = slots[e.name], self._flat[slots[e.name].param]
+                    numel = e.nbytes // e.dtype.itemsize
+                    direct = slot.index is None and flat.dtype == e.dtype
+                    dest = flat[slot.start:slot.start + numel] if direct else torch.empty(numel, dtype=e.dtype)
+                    fh.seek(e.offset)
+                    view, got = memoryview(dest.view(torch.uint8).numpy()), 0
+                    while got < e.nbytes:  # one read returns at most ~2 GiB on Linux
+                        n = fh.readinto(view[got:])
+                        if not n:
+                            raise OSError(f"{path} ends inside tensor {e.name!r}")
+                        got += n
+                    if not direct:
+                        self.load([(e.name, dest.view(e.shape))])
 
     # ---------------------------------------------------------------- /weights_checker
     def _state(self, skip_tensor_list: list[str] | None) -> dict[str, torch.Tensor]:
