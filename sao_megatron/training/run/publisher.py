@@ -81,8 +81,10 @@ class WeightPublisher:
         # batch waits for the push (the trainer asks); η ≥ 1 trains on the previous version's samples meanwhile.
         self.overlaps_batch = self.overlap and cfg.scheduler.max_staleness >= 1
         self._inflight: _Push | None = None
-        self._thread = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-push")
-                        if self.overlap else None)
+        self._unreported: dict[str, float] = {}  # metrics of the last push joined, until a publish reports them
+        self._thread = (concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="weight-push", initializer=_push_thread_device,
+            initargs=(torch.cuda.current_device() if torch.cuda.is_available() else None,)) if self.overlap else None)
         self._buffers: dict[str, torch.Tensor] = {}  # distributed + overlap: the snapshot, reused every push
 
     def restore(self, version: int) -> None:
@@ -151,7 +153,8 @@ class WeightPublisher:
         previous push (whose error raises here). Returns rank 0's metrics of the push that finished in this
         call (overlap: the previous one) and ``timing/weight_sync_s``, the time this call blocked."""
         t0 = time.perf_counter()
-        done = self.wait()
+        self.wait()
+        done, self._unreported = self._unreported, {}
         waited = time.perf_counter() - t0
         version = self.version + 1
         job = self._prepare(version)  # the export's collectives and the snapshot: on this (the main) thread
@@ -184,8 +187,8 @@ class WeightPublisher:
             return push
         gen = export_weights(self.c)
         if not self.overlap:  # rank 0 writes the export while the engines generate, then loads it
-            out = rank0_call(lambda: self.transport.push(gen, version, paused=paused), others=lambda: drain(gen))
-            return lambda: _metrics(out or {})
+            return lambda: _metrics(rank0_call(lambda: self.transport.push(gen, version, paused=paused),
+                                               others=lambda: drain(gen)) or {})
         # The written directory is the snapshot: the next update cannot change it, and host memory stays
         # at one shard (rollout.weight_sync's disk writer) whatever the model's size.
         verify = self.rank0 and self.disk.needs_verify
@@ -235,7 +238,8 @@ class WeightPublisher:
         return out
 
     def wait(self) -> dict[str, float]:
-        """Collective: join the push in flight, if any; rank 0 gets its metrics. When it failed on any rank,
+        """Collective: join the push in flight, if any; rank 0 gets its metrics (the next publish reports
+        them too, so a wait before a checkpoint does not lose them). When it failed on any rank,
         every rank raises WeightPushError naming its version and step (ranks share the outcome, so none
         walks into the next collective alone)."""
         push, self._inflight = self._inflight, None
@@ -253,7 +257,8 @@ class WeightPublisher:
             step = f"published after step {push.step}" if push.step is not None else "published"
             raise WeightPushError(f"the background weight push of version {push.version} ({step}) failed: "
                                   f"{first}") from error
-        return out if self.rank0 else {}
+        self._unreported = out if self.rank0 else {}
+        return self._unreported
 
     def wait_local(self) -> None:
         """This rank only, no collective: block until the push in flight is done (rank 0 before an evaluation,
@@ -332,6 +337,14 @@ class WeightPublisher:
             self.transport.close()
         if self.disk is not None:
             self.disk.close()
+
+
+def _push_thread_device(device: int | None) -> None:
+    """The push thread uses this rank's GPU (a new thread's CUDA device is 0) on a stream of its own, so its
+    copies and broadcasts do not queue behind the training kernels of the default stream."""
+    if device is not None:
+        torch.cuda.set_device(device)
+        torch.cuda.set_stream(torch.cuda.Stream(device))
 
 
 def _timed(job: Callable[[], dict[str, float]]) -> dict[str, float]:

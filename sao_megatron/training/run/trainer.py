@@ -121,14 +121,14 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        # η = 0 trains only the newest version's samples: none exists before the push in flight finished
-        pushed = {} if self.publisher.overlaps_batch else self.publisher.wait()
+        if not self.publisher.overlaps_batch:  # η = 0: no sample of the new version exists before its push ends
+            self.publisher.wait()
         samples = self._next_batch()
         t1 = time.perf_counter()
         # The actor's version (updates applied), not the engines' (one behind while a push is in flight).
         self.state.audit(samples, step=self.step, version=self.version, phase="rl")
         self.state.audit_dropped(self.rollout.take_dropped() if self.rank0 else [], step=self.step)
-        metrics = self._update(samples) | pushed
+        metrics = self._update(samples)
         t2 = time.perf_counter()
         train_s = t2 - t1 - metrics.get("timing/weight_sync_s", 0.0)  # less an overlapped publish's blocking part
         if metrics.pop("_applied"):
