@@ -59,7 +59,7 @@ def test_overlapped_pushes_keep_every_trained_token_within_the_staleness_limit(e
         c = FakeClient(token_time=0.002, p_stop=0.1, seed=eta)
         s = make(c, eta=eta, concurrency=12, max_new_tokens=30)
         await s.start()
-        out = await overlapped_trainer(s, c, 10, eta=eta, batch=4, push_s=0.05, train_s=0.01)
+        out = await overlapped_trainer(s, c, 10, eta=eta, batch=4, push_s=0.2, train_s=0.01)
         await s.stop()
         return out
     consumed, admissions = asyncio.run(run())
@@ -82,7 +82,7 @@ def test_judging_staleness_at_the_served_version_would_train_stale_tokens():
         c = FakeClient(token_time=0.002, p_stop=0.1, seed=1)
         s = make(c, eta=1, concurrency=12, max_new_tokens=30)
         await s.start()
-        out = await overlapped_trainer(s, c, 10, eta=1, batch=4, push_s=0.05, train_s=0.01, judge_at_actor=False)
+        out = await overlapped_trainer(s, c, 10, eta=1, batch=4, push_s=0.2, train_s=0.01, judge_at_actor=False)
         await s.stop()
         return out
     consumed, _ = asyncio.run(run())
