@@ -3,7 +3,8 @@
 Runs ``sao-megatron train`` on configs/experiments/tiny_cpu.yaml (fewer steps) once per arm,
 ``rollout.overlap_weight_push`` false then true (``--repeats`` alternates the order), and prints per
 arm the medians over the RL steps of step, train, wait_batch, weight_sync (what the step blocked on
-publishing) and weight_push (the push itself, in the background when overlapped), the step
+publishing), audit (rank 0's audit lines and dropped samples) and weight_push (the push itself, in the
+background when overlapped), the step
 efficiency Σtrain/Σstep, the wall-clock efficiency Σtrain/(wall clock between the first and the last
 step's log line, which also counts logging and checkpoints between steps), reward first 10 % → last 20 % of steps,
 stale drops, and the ratio overlap/sync. The box's load average (``uptime``) is printed with each arm:
@@ -30,7 +31,7 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "experiments" / "tiny_cpu.yaml"
-COLUMNS = ("step_s", "train_s", "wait_batch_s", "weight_sync_s", "weight_push_s")
+COLUMNS = ("step_s", "train_s", "wait_batch_s", "weight_sync_s", "audit_s", "weight_push_s")
 
 
 def load_average() -> str:

@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a whole run each, 40-90 s on
                                                 (True, "disk", 0)])
 def test_a_run_ends_with_the_engines_serving_its_final_version(tmp_path, overlap, sync, eta):
     out = tmp_path / "final.json"
-    sets = [*SMALL, "run.num_steps=5", "checkpoint.save_interval=0", f"rollout.overlap_weight_push={str(overlap).lower()}",
-            f"rollout.weight_sync={sync}", f"scheduler.max_staleness={eta}"]
+    sets = [*SMALL, "run.num_steps=5", "checkpoint.save_interval=0", f"scheduler.max_staleness={eta}",
+            f"rollout.overlap_weight_push={str(overlap).lower()}", f"rollout.weight_sync={sync}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--standalone", str(SCRIPT),
            str(CONFIG), str(out), *[a for s in sets for a in ("--set", s)]]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,

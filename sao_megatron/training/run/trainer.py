@@ -128,14 +128,15 @@ class Trainer:
         # The actor's version (updates applied), not the engines' (one behind while a push is in flight).
         self.state.audit(samples, step=self.step, version=self.version, phase="rl")
         self.state.audit_dropped(self.rollout.take_dropped() if self.rank0 else [], step=self.step)
+        t_audit = time.perf_counter()
         metrics = self._update(samples)
         t2 = time.perf_counter()
-        train_s = t2 - t1 - metrics.get("timing/weight_sync_s", 0.0)  # less an overlapped publish's blocking part
+        train_s = t2 - t_audit - metrics.get("timing/weight_sync_s", 0.0)  # less an overlapped publish's blocking part
         if metrics.pop("_applied"):
             metrics |= self.publisher.publish(step=self.step)
         self.step += 1
         metrics |= {"version": self.version, "timing/wait_batch_s": t1 - t0, "timing/train_s": train_s,
-                    "timing/step_s": time.perf_counter() - t0}
+                    "timing/audit_s": t_audit - t1, "timing/step_s": time.perf_counter() - t0}
         metrics["timing/tokens_per_s"] = metrics.get("batch/num_tokens", 0.0) / max(metrics["timing/step_s"], 1e-9)
         return metrics
 
