@@ -129,7 +129,7 @@ class Trainer:
         self.state.audit(samples, step=self.step, version=self.version, phase="rl")
         self.state.audit_dropped(self.rollout.take_dropped() if self.rank0 else [], step=self.step)
         t_audit = time.perf_counter()
-        metrics = self._update(samples)
+        metrics = self._update(samples, publish_early=self.publisher.overlap)
         t2 = time.perf_counter()
         train_s = t2 - t_audit - metrics.get("timing/weight_sync_s", 0.0)  # less an overlapped publish's blocking part
         if metrics.pop("_applied"):
@@ -141,8 +141,9 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ one update
-    def _update(self, samples: list[Sample]) -> dict[str, Any]:
-        """One policy update (and K critic steps) on ``samples``; ``_applied``: the caller publishes."""
+    def _update(self, samples: list[Sample], *, publish_early: bool = False) -> dict[str, Any]:
+        """One policy update (and K critic steps) on ``samples``; ``_applied``: the caller publishes.
+        ``publish_early``: publish right after the actor step (overlapped pushes), then ``_applied`` is False."""
         cfg, c, ctx, version = self.cfg, self.c, self.c.ctx, self.version
         batch = self._batch(samples, cfg.actor.max_tokens_per_microbatch, min_microbatches=cfg.actor.num_minibatches)
         batch.outcome_advantages = rl_step.outcome_advantages(batch, cfg.algorithm, c.baseline)
@@ -152,7 +153,7 @@ class Trainer:
             actor = rl_step.actor_update(c.actor, batch, cfg.algorithm, self.policy, ctx=ctx)
         # Overlapped, the push starts as soon as the actor's weights are final: the engines load them while
         # the critic trains (and the next batch is collected), so they serve the new version sooner.
-        early = self.publisher.overlap and actor.applied
+        early = publish_early and actor.applied
         pushed = self.publisher.publish(step=self.step) if early else {}
         local = rl_step.policy_metrics(batch, actor)
         routes = route_metrics(c.actor.chunks, device=ctx.device) if self.cfg.rollout.routing_replay else {}

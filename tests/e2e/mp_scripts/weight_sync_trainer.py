@@ -55,11 +55,9 @@ def main() -> None:
         initial_weights(trainer.c, cfg)
         engines = start_external(trainer, cfg, run_dir) if external else None
         trainer._start_rollout(None)
-        applied = trainer._update(fixed_samples(cfg.model.vocab_size)).pop("_applied")
-        # With rollout.overlap_weight_push the update published version 1 itself (right after the actor
-        # step), and a push's metrics come from the wait that joins it.
-        assert applied or (trainer.publisher.overlap and trainer.version == 1)
-        first = (trainer.publisher.publish() if applied else {}) | trainer.publisher.wait()  # version 1
+        assert trainer._update(fixed_samples(cfg.model.vocab_size)).pop("_applied")
+        # With rollout.overlap_weight_push a push's metrics come from the wait that joins it.
+        first = trainer.publisher.publish() | trainer.publisher.wait()  # version 1
         second = trainer.publisher.publish() | trainer.publisher.wait()  # version 2, same layout: not verified again
         client = trainer.rollout.client if trainer.rank0 else None
         if client is not None:  # an episode retry probes health: the engines serve the pushed version
