@@ -375,6 +375,8 @@ class RolloutConfig:
     """Bound on every weight-sync call and group operation: a dead engine fails the sync, never hangs it."""
     weight_sync_verify: bool = True
     """Compare the engines' /weights_checker checksums with the export after the first sync of each layout."""
+    overlap_weight_push: bool = True
+    """Push each step's weights in the background while the next step trains (docs/weight-publishing.md#overlap)."""
     routing_replay: bool = False
     """R3: engines return each token's routed experts and the actor's forward replays them (docs/routing-replay.md)."""
     engine_restart_budget: int = 3

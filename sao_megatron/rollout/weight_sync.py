@@ -279,6 +279,15 @@ class DiskWeightSync:
                 "weight_sync/load_seconds": time.perf_counter() - written,
                 "weight_sync/seconds": time.perf_counter() - start}
 
+    def load_written(self, path: Path, version: int, sums: dict, *, verify: bool,
+                     paused: Paused | None = None) -> dict[str, float]:
+        """(rank 0, ``collective=False``) The second half of ``push`` for a directory ``write`` returned: for a
+        caller that writes on its main thread and loads on another (``training.run.publisher``)."""
+        start = time.perf_counter()
+        verdict = self._load(path, version, paused, sums if verify else None)
+        self.needs_verify = self.needs_verify and not verify
+        return {**verdict, "weight_sync/load_seconds": time.perf_counter() - start}
+
     def _load(self, path: Path, version: int, paused: Paused | None, expected: dict | None) -> dict:
         async def update() -> None:  # no session: see the module docstring
             await self.client.update_weights_from_disk(str(path), weight_version=version)

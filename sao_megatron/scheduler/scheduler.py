@@ -308,9 +308,13 @@ class AsyncScheduler:
         self._fifo_event.set()
 
     # ------------------------------------------------------------------ consumption
-    async def next_batch(self, batch_size: int | None = None) -> list[Sample]:
-        """The first ``batch_size`` finished samples (whole groups in group mode), stale ones dropped."""
+    async def next_batch(self, batch_size: int | None = None, *, version: int | None = None) -> list[Sample]:
+        """The first ``batch_size`` finished samples (whole groups in group mode), stale ones dropped.
+
+        ``version``: the trainer's version that will train them (default: the served one). It is ahead of
+        the served version while a weight push overlaps training; staleness is judged against it."""
         size = batch_size or self.cfg.batch_size
+        version = self.version if version is None else version
         if size % self.group_size:
             raise ValueError(f"batch size {size} must be a multiple of the group size {self.group_size}")
         if not self._running:
@@ -320,7 +324,7 @@ class AsyncScheduler:
             self._budget.sync_request = size
             self._admit()
         try:
-            await self._collect(taken, size)
+            await self._collect(taken, size, version)
         except BaseException:
             self._fifo.put_back(taken)  # a cancelled call loses nothing
             raise
@@ -331,22 +335,22 @@ class AsyncScheduler:
         for s in samples:
             s.timings["queue"] = now - s.timings["end"]
         self._stats.add("trained", len(samples))
-        self._stats.observe_consumed(samples, self.version)
+        self._stats.observe_consumed(samples, version)
         return samples
 
-    async def _collect(self, taken: list[list[Sample]], size: int) -> None:
+    async def _collect(self, taken: list[list[Sample]], size: int, version: int) -> None:
         n = 0
         while n < size:
             if self._fatal is not None:
                 raise RuntimeError(f"rollout failed: {self._fatal}") from self._fatal
-            if not self._fifo.ready(size - n, self.version, (ep.admitted_version for ep in self._episodes.values())):
+            if not self._fifo.ready(size - n, version, (ep.admitted_version for ep in self._episodes.values())):
                 self._check_progress(size - n)
                 self._fifo_event.clear()
                 await self._fifo_event.wait()
                 continue
-            unit = self._fifo.pop(self.version)
-            if self._fifo.is_stale(unit, self.version):
-                self._drop_stale(unit)
+            unit = self._fifo.pop(version)
+            if self._fifo.is_stale(unit, version):
+                self._drop_stale(unit, version)
                 continue
             taken.append(unit)
             n += len(unit)
@@ -364,12 +368,12 @@ class AsyncScheduler:
                 f"{self.version}. Call on_weights_updated()/set_version() after each policy update, or "
                 "reset_admission_budget() when consuming batches without one (value pretraining).")
 
-    def _drop_stale(self, unit: list[Sample]) -> None:
+    def _drop_stale(self, unit: list[Sample], version: int) -> None:
         s = unit[0]
         self.num_started -= len(unit)
         self._stats.add("dropped_stale", len(unit))
-        self._stats.observe_dropped(unit, self.version)
-        self._fifo.record_dropped(unit, self.version)
+        self._stats.observe_dropped(unit, version)
+        self._fifo.record_dropped(unit, version)
         self._cursor.requeue(PromptRef(s.epoch, s.index, s.attempt))
         self._admit()
 

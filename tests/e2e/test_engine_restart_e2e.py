@@ -19,8 +19,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 STEPS = 80  # ~1.3 s a step: the run must outlast an engine restart (20-60 s on a loaded 2-core box)
 
 
-def run_with_engine_fault(run_dir, sig: int, *extra: str) -> tuple[subprocess.CompletedProcess, int]:
-    overrides = [f"run.num_steps={STEPS}", "checkpoint.save_interval=20", "data.num_prompts=1000", *extra]
+def run_with_engine_fault(run_dir, sig: int, *extra: str,
+                          steps: int = STEPS) -> tuple[subprocess.CompletedProcess, int]:
+    overrides = [f"run.num_steps={steps}", "checkpoint.save_interval=20", "data.num_prompts=1000", *extra]
     proc = subprocess.Popen(train_cmd(run_dir, *overrides), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -59,15 +60,15 @@ def engine_pids(trainer_pid: int) -> list[int]:
     return pids
 
 
-def check_recovered(run_dir, result, victim):
+def check_recovered(run_dir, result, victim, steps: int = STEPS):
     assert result.returncode == 0, result.stderr[-6000:]
     metrics = metrics_by_step(run_dir)
-    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert [m["step"] for m in metrics] == list(range(steps))
     last = metrics[-1]
     assert last["rollout/engines_healthy"] == 2.0 and last["rollout/engine_restarts"] >= 1.0, last
     recs = audit_unique(run_dir)  # no prompt trained twice
     rl = [r for r in recs if r["phase"] == "rl"]
-    assert len(rl) == STEPS * 8 and sorted({r["step"] for r in rl}) == list(range(STEPS))
+    assert len(rl) == steps * 8 and sorted({r["step"] for r in rl}) == list(range(steps))
     for r in rl:
         assert r["version"] - r["oldest_version"] <= 1  # the restarted engine served current weights
     with pytest.raises(ProcessLookupError):
@@ -86,10 +87,14 @@ def test_sigkilled_engine_rejoins_the_distributed_weight_sync(tmp_path):
     """rollout.weight_sync=distributed: the restarted engine gets new update groups from the trainer
     (every rank) before the next push, and is routed to only after that push reached it."""
     run_dir = tmp_path / "sigkill_distributed"
-    result, victim = run_with_engine_fault(run_dir, signal.SIGKILL, "rollout.weight_sync=distributed")
-    check_recovered(run_dir, result, victim)
+    # With the push overlapped, a step on one engine took 0.1-0.4 s (load ~30): 80 steps ended 30 s after
+    # the kill, before the supervisor had begun the restart. More steps, so the run outlasts it.
+    steps = 3 * STEPS
+    result, victim = run_with_engine_fault(run_dir, signal.SIGKILL, "rollout.weight_sync=distributed", steps=steps)
+    check_recovered(run_dir, result, victim, steps=steps)
     metrics = metrics_by_step(run_dir)
-    assert all(m["rollout/weight_sync_bytes"] > 0 for m in metrics)
+    # An overlapped push reports with the step during which it finished: from step 1 on.
+    assert all(m["rollout/weight_sync_bytes"] > 0 for m in metrics[1:])
     assert metrics[-1]["weight_sync/failed_engines"] == 0  # the last push reached both engines
 
 

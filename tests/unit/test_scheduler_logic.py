@@ -693,10 +693,10 @@ def test_engines_that_all_die_during_a_push_leave_the_weights_recorded(tmp_path,
         if engines_left:
             with pytest.raises(EngineUnavailable):
                 pub._paused(3)(update)
-            assert pub.version == 0 and side.scheduler.version == 0
+            assert pub.served.version == 0 and side.scheduler.version == 0
         else:
             pub._paused(3)(update)
-            assert pub.version == 3 and side.scheduler.version == 3
+            assert pub.served.version == 3 and side.scheduler.version == 3
             assert pub.served.path == tmp_path / "weights" / "v000003"
         assert not loaded  # no engine loaded anything
     finally:

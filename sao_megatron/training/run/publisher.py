@@ -15,18 +15,30 @@ once per policy update. In order, it
 
 While a push is in flight ``served.pending`` names the version being loaded, so an engine that already
 took it is not judged stale by a health probe during the push.
+
+With ``rollout.overlap_weight_push`` (docs/weight-publishing.md#overlap) the push runs on a background
+thread while the next step trains. Two versions then exist: :attr:`WeightPublisher.version` (the actor's:
+updates applied and exported) and ``served.version`` (the engines', which lags while a push is in
+flight). At most one push is in flight: :meth:`WeightPublisher.wait` (collective) joins it and raises its
+error on every rank, naming its version and step.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import pathlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from sao_megatron.config import ExperimentConfig
 from sao_megatron.config.schema import RolloutConfig
+from sao_megatron.errors import SaoError
 from sao_megatron.models.families.hf_config import dtype_name
 from sao_megatron.parallel.collectives import broadcast_object, rank0_call
 from sao_megatron.rollout.recovery import CurrentWeights, PendingReconnects, disk_readmit
@@ -35,6 +47,19 @@ from sao_megatron.training.run.components import Components, drain, export_weigh
 from sao_megatron.training.run.export import iter_owned_hf_tensors, owns_tensors
 
 log = logging.getLogger(__name__)
+
+
+class WeightPushError(SaoError):
+    """A weight push that ran in the background failed; raised at the next wait, naming its version and step."""
+
+
+@dataclass
+class _Push:
+    """The push in flight (every rank holds one: publish and wait are collective)."""
+
+    version: int
+    step: int | None
+    future: concurrent.futures.Future
 
 
 class WeightPublisher:
@@ -49,13 +74,22 @@ class WeightPublisher:
         self.reconnects = PendingReconnects()
         self._reconnecting: list = []
         self.distributed = cfg.rollout.weight_sync != "disk"
-
-    @property
-    def version(self) -> int:
-        return self.served.version
+        self.version = 0
+        """The actor's version: policy updates applied and exported (``served.version`` once no push is in flight)."""
+        self.overlap = cfg.rollout.overlap_weight_push
+        # η = 0: no sample generated before a push finished can be trained by the updated actor, so the next
+        # batch waits for the push (the trainer asks); η ≥ 1 trains on the previous version's samples meanwhile.
+        self.overlaps_batch = self.overlap and cfg.scheduler.max_staleness >= 1
+        self._inflight: _Push | None = None
+        self._unreported: dict[str, float] = {}  # metrics of the last push joined, until a publish reports them
+        self._thread = (concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="weight-push", initializer=_push_thread_device,
+            initargs=(torch.cuda.current_device() if torch.cuda.is_available() else None,)) if self.overlap else None)
+        self._buffers: dict[str, torch.Tensor] = {}  # distributed + overlap: the snapshot, reused every push
 
     def restore(self, version: int) -> None:
         """A resumed run starts from its checkpoint's version."""
+        self.version = version
         self.served.set(None, version)
 
     # ------------------------------------------------------------------ start (collective)
@@ -74,8 +108,11 @@ class WeightPublisher:
         if self.distributed:
             from sao_megatron.rollout.weight_sync import build_weight_sync
 
+            # A background push runs the transport's object collectives on a group of its own: the
+            # default group belongs to the main thread (a group must never be used by two threads at once).
+            group = dist.new_group(backend="gloo") if self.overlap else None
             self.transport = build_weight_sync(self.cfg.rollout, client=None, run_dir=self.run_dir,
-                                               template_dir=None, checkpoint_dtype=self._dtype())
+                                               template_dir=None, checkpoint_dtype=self._dtype(), world_group=group)
             self.transport.connect(self.rollout.client.engine_urls if self.rank0 else None,
                                    is_sender=owns_tensors(self.c.exporter))
         return self.rollout
@@ -109,23 +146,125 @@ class WeightPublisher:
         return dtype_name(self.cfg.model.params_dtype)
 
     # ------------------------------------------------------------------ one push per step (collective)
-    def publish(self) -> dict[str, float]:
-        """Export, push and commit version + 1 on every engine; returns rank 0's metrics."""
-        t0, version = time.perf_counter(), self.version + 1
+    def publish(self, step: int | None = None) -> dict[str, float]:
+        """Collective: export, push and commit version + 1 on every engine (``step``: the step that made it).
+
+        Synchronous, or with ``rollout.overlap_weight_push`` started in the background after waiting for the
+        previous push (whose error raises here). Returns rank 0's metrics of the push that finished in this
+        call (overlap: the previous one) and ``timing/weight_sync_s``, the time this call blocked."""
+        t0 = time.perf_counter()
+        self.wait()
+        done, self._unreported = self._unreported, {}
+        waited = time.perf_counter() - t0
+        version = self.version + 1
+        job = self._prepare(version)  # the export's collectives and the snapshot: on this (the main) thread
+        if self.overlap:
+            self._inflight = _Push(version, step, self._thread.submit(_timed, job))
+        else:
+            done = _timed(job)
+        self.version = version
+        if not self.rank0:
+            return {}
+        return done | {"timing/weight_sync_s": time.perf_counter() - t0, "timing/weight_push_wait_s": waited}
+
+    def _prepare(self, version: int) -> Callable[[], dict[str, float]]:
+        """Everything of a push that runs collectives over the trainer's groups or reads the actor's
+        parameters; returns the rest (transport push, pause, commit), which may run on another thread."""
+        paused = self._paused(version) if self.rank0 else None
         if self.distributed:
             self._reconnect_restarted()
-            out = self.transport.push(iter_owned_hf_tensors(self.c.exporter), version,
-                                      paused=self._paused(version) if self.rank0 else None)
-            if self.rank0:  # restarted engines the push reached serve again
-                self._admit_reconnected({l.url for l in self.transport.links if l.failed is None})
-        else:  # rank 0 writes the export while the engines generate
-            gen = export_weights(self.c)
-            out = rank0_call(lambda: self.transport.push(gen, version, paused=self._paused(version)),
-                             others=lambda: drain(gen))
+            sender, owned = self._sender(iter_owned_hf_tensors(self.c.exporter))
+            if self.overlap:  # the next optimizer step may change the parameters while the push reads them
+                owned = self._snapshot(owned)
+
+            def push() -> dict[str, float]:
+                out = sender.push(owned, version, paused=paused)
+                if self.rank0:  # restarted engines the push reached serve again
+                    self._admit_reconnected({l.url for l in self.transport.links if l.failed is None})
+                else:
+                    self.served.set(None, version)  # rank 0 committed inside the pause
+                return _metrics(out or {})
+            return push
+        gen = export_weights(self.c)
+        if not self.overlap:  # rank 0 writes the export while the engines generate, then loads it
+            return lambda: _metrics(rank0_call(lambda: self.transport.push(gen, version, paused=paused),
+                                               others=lambda: drain(gen)) or {})
+        # The written directory is the snapshot: the next update cannot change it, and host memory stays
+        # at one shard (rollout.weight_sync's disk writer) whatever the model's size.
+        verify = self.rank0 and self.disk.needs_verify
+        written = rank0_call(lambda: self._write(gen, version, verify), others=lambda: drain(gen))
         if not self.rank0:
-            self.served.set(None, version)  # rank 0 committed inside the pause
+            return lambda: {}
+        path, sums, seconds = written
+        return lambda: _metrics(self.disk.load_written(path, version, sums, verify=verify, paused=paused) |
+                                {"weight_sync/write_seconds": seconds})
+
+    def _write(self, gen, version: int, verify: bool) -> tuple[pathlib.Path, dict, float]:
+        t0 = time.perf_counter()
+        try:
+            _, owned = self._sender(gen)
+            path, sums = self.disk.write(owned, version, checksums=verify)
+        finally:
+            drain(gen)
+        return path, sums, time.perf_counter() - t0
+
+    def _sender(self, owned: Iterable[tuple[str, torch.Tensor]]):
+        """The transport that sends and what it sends: an FP8 wrapper's quantization runs here, on the main
+        thread, so that a snapshot holds what the engines load (and half the bytes)."""
+        from sao_megatron.rollout.weight_sync import Fp8BlockSync
+
+        if isinstance(self.transport, Fp8BlockSync):
+            from sao_megatron.rollout.fp8_weights import requantize
+
+            return self.transport.inner, requantize(owned, self.transport.scheme)
+        return self.transport, owned
+
+    def _snapshot(self, owned: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """This rank's share of the export copied into host buffers reused by every push.
+
+        Why a copy rather than holding the next optimizer step until the push read the parameters: the TP
+        gathers that assemble the share are collectives over the training groups and must run on the main
+        thread before it trains again, so the gathered tensors have to be kept either way. Host memory is
+        the rank's owned share (all ranks together: one copy of the model); GPU memory is unchanged, since
+        the transport stages one bucket (rollout.weight_sync_bucket_mb) at a time onto the device."""
+        pin = torch.cuda.is_available()
+        out = []
+        for name, tensor in owned:
+            buf = self._buffers.get(name)
+            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                buf = self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            buf.copy_(tensor)
+            out.append((name, buf))
+        return out
+
+    def wait(self) -> dict[str, float]:
+        """Collective: join the push in flight, if any; rank 0 gets its metrics (the next publish reports
+        them too, so a wait before a checkpoint does not lose them). When it failed on any rank,
+        every rank raises WeightPushError naming its version and step (ranks share the outcome, so none
+        walks into the next collective alone)."""
+        push, self._inflight = self._inflight, None
+        if push is None:
             return {}
-        return _metrics(out or {}) | {"timing/weight_sync_s": time.perf_counter() - t0}
+        out, error = {}, None
+        try:
+            out = push.future.result()
+        except Exception as exc:  # shared below, then raised on every rank
+            error = exc
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        first = next((e for e in errors if e), None)
+        if first is not None:
+            step = f"published after step {push.step}" if push.step is not None else "published"
+            raise WeightPushError(f"the background weight push of version {push.version} ({step}) failed: "
+                                  f"{first}") from error
+        self._unreported = out if self.rank0 else {}
+        return self._unreported
+
+    def wait_local(self) -> None:
+        """This rank only, no collective: block until the push in flight is done (rank 0 before an evaluation,
+        which must sample from the published weights); its error is kept for the next :meth:`wait`."""
+        if self._inflight is not None:
+            concurrent.futures.wait([self._inflight.future])
 
     def _paused(self, version: int) -> Callable[[Callable[[], Awaitable[None]]], None]:
         """(rank 0) Runs a transport's update coroutine with generation paused; commits ``version``."""
@@ -186,10 +325,32 @@ class WeightPublisher:
         self._reconnecting = []
 
     def close(self) -> None:
+        """Waits for a push in flight (this rank; its error is logged: a caller that wanted it raised
+        called :meth:`wait`), then closes the transports."""
+        if self._inflight is not None:
+            push, self._inflight = self._inflight, None
+            if (exc := push.future.exception()) is not None:
+                log.error("the background weight push of version %d failed: %s", push.version, exc)
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
         if self.transport is not None and self.transport is not self.disk:
             self.transport.close()
         if self.disk is not None:
             self.disk.close()
+
+
+def _push_thread_device(device: int | None) -> None:
+    """The push thread uses this rank's GPU (a new thread's CUDA device is 0) on a stream of its own, so its
+    copies and broadcasts do not queue behind the training kernels of the default stream."""
+    if device is not None:
+        torch.cuda.set_device(device)
+        torch.cuda.set_stream(torch.cuda.Stream(device))
+
+
+def _timed(job: Callable[[], dict[str, float]]) -> dict[str, float]:
+    t0 = time.perf_counter()
+    out = job()
+    return out | {"timing/weight_push_s": time.perf_counter() - t0} if out else out
 
 
 def _metrics(out: dict[str, float]) -> dict[str, float]:

@@ -169,15 +169,16 @@ class RolloutSide:
             self.bridge.close()
 
     # ------------------------------------------------------------------ data and weights
-    def next_batch(self, batch_size: int) -> list[Sample]:
-        """The next batch; NoEngineError once no engine was healthy for rollout.no_engine_timeout_s."""
+    def next_batch(self, batch_size: int, *, version: int | None = None) -> list[Sample]:
+        """The next batch, for the trainer at ``version`` (staleness is judged against it; None: the served
+        version); NoEngineError once no engine was healthy for rollout.no_engine_timeout_s."""
         assert self.scheduler is not None
-        return self.bridge.run(self._batch_or_no_engine(batch_size))
+        return self.bridge.run(self._batch_or_no_engine(batch_size, version))
 
-    async def _batch_or_no_engine(self, batch_size: int) -> list[Sample]:
+    async def _batch_or_no_engine(self, batch_size: int, version: int | None) -> list[Sample]:
         if self.supervisor is None:
-            return await self.scheduler.next_batch(batch_size)
-        batch = asyncio.ensure_future(self.scheduler.next_batch(batch_size))
+            return await self.scheduler.next_batch(batch_size, version=version)
+        batch = asyncio.ensure_future(self.scheduler.next_batch(batch_size, version=version))
         gone = asyncio.ensure_future(self.supervisor.wait_no_engine())
         await asyncio.wait({batch, gone}, return_when=asyncio.FIRST_COMPLETED)
         if batch.done():

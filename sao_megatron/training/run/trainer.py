@@ -2,8 +2,9 @@
 
 Per step (docs/architecture.md#the-loop): take the first B finished samples → critic values →
 skip-observation GAE → actor DIS step → K critic steps → stream the actor's
-weights to the engines (version + 1). Rank 0 owns the rollout side; every rank
-trains its data-parallel shard of the same batch. Parts are built by
+weights to the engines (version + 1; with ``rollout.overlap_weight_push`` in the background while
+the next step trains). Rank 0 owns the rollout side; every rank trains its data-parallel shard of
+the same batch. Parts are built by
 ``training.run.components``; checkpoints and the audit live in ``training.run.run_state``.
 """
 
@@ -69,13 +70,15 @@ class Trainer:
 
     @property
     def version(self) -> int:
-        """The policy version the engines serve (the publisher's, the one record of it)."""
+        """The actor's policy version: updates applied (the publisher's). The engines serve it once no
+        push is in flight (``publisher.served``); samples are trained, audited and judged stale against it."""
         return self.publisher.version
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
         """Train to ``run.num_steps``; returns 0 when done (also after a signal-triggered checkpoint)."""
         self._install_signal_handlers()
+        done = False
         try:
             from sao_megatron.training.run.rollout_side import check_reachable
 
@@ -104,41 +107,54 @@ class Trainer:
                         self.state.saves.wait()
                         log.warning("signal %s: checkpointed at step %d, exiting", self._stop_signal, self.step)
                         return 0
+            self.publisher.wait()  # the engines serve the final version; a failed last push raises here
             self.state.saves.wait()
             if self.state.ckpt.latest() != self.state.ckpt.final_dir(self.step):
                 self.save()
                 self.state.saves.wait()
             if self.rank0 and (line := reward_summary(self.run_dir)):
                 log.info("done: %s", line)
+            done = True
             return 0
         finally:
-            self.close()
+            self.close(raise_push_error=done)
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
+        if not self.publisher.overlaps_batch:  # η = 0: no sample of the new version exists before its push ends
+            self.publisher.wait()
         samples = self._next_batch()
         t1 = time.perf_counter()
-        self.state.audit(samples, step=self.step, version=self.version, phase="rl")  # at the consuming version
+        # The actor's version (updates applied), not the engines' (one behind while a push is in flight).
+        self.state.audit(samples, step=self.step, version=self.version, phase="rl")
         self.state.audit_dropped(self.rollout.take_dropped() if self.rank0 else [], step=self.step)
-        metrics = self._update(samples)
+        t_audit = time.perf_counter()
+        metrics = self._update(samples, publish_early=self.publisher.overlap)
         t2 = time.perf_counter()
+        train_s = t2 - t_audit - metrics.get("timing/weight_sync_s", 0.0)  # less an overlapped publish's blocking part
         if metrics.pop("_applied"):
-            metrics |= self.publisher.publish()
+            metrics |= self.publisher.publish(step=self.step)
         self.step += 1
-        metrics |= {"version": self.version, "timing/wait_batch_s": t1 - t0, "timing/train_s": t2 - t1,
-                    "timing/step_s": time.perf_counter() - t0}
+        metrics |= {"version": self.version, "timing/wait_batch_s": t1 - t0, "timing/train_s": train_s,
+                    "timing/audit_s": t_audit - t1, "timing/step_s": time.perf_counter() - t0}
         metrics["timing/tokens_per_s"] = metrics.get("batch/num_tokens", 0.0) / max(metrics["timing/step_s"], 1e-9)
         return metrics
 
     # ------------------------------------------------------------------ one update
-    def _update(self, samples: list[Sample]) -> dict[str, Any]:
-        cfg, c, ctx = self.cfg, self.c, self.c.ctx
+    def _update(self, samples: list[Sample], *, publish_early: bool = False) -> dict[str, Any]:
+        """One policy update (and K critic steps) on ``samples``; ``_applied``: the caller publishes.
+        ``publish_early``: publish right after the actor step (overlapped pushes), then ``_applied`` is False."""
+        cfg, c, ctx, version = self.cfg, self.c, self.c.ctx, self.version
         batch = self._batch(samples, cfg.actor.max_tokens_per_microbatch, min_microbatches=cfg.actor.num_minibatches)
         batch.outcome_advantages = rl_step.outcome_advantages(batch, cfg.algorithm, c.baseline)
         values = rl_step.critic_values(c.critic, batch, ctx=ctx) if c.critic else None
         rl_step.attach_advantages(batch, cfg.algorithm, values)
         with resident(c.actor, offload=self.offload):
             actor = rl_step.actor_update(c.actor, batch, cfg.algorithm, self.policy, ctx=ctx)
+        # Overlapped, the push starts as soon as the actor's weights are final: the engines load them while
+        # the critic trains (and the next batch is collected), so they serve the new version sooner.
+        early = publish_early and actor.applied
+        pushed = self.publisher.publish(step=self.step) if early else {}
         local = rl_step.policy_metrics(batch, actor)
         routes = route_metrics(c.actor.chunks, device=ctx.device) if self.cfg.rollout.routing_replay else {}
         if c.critic is not None:
@@ -147,10 +163,10 @@ class Trainer:
         contributes = ctx.is_last_stage and ctx.tp_rank == 0
         metrics = gather_metrics(local if contributes else {}, rl_step.rank_weight(batch))
         self.guard.record(actor, self.step)
-        metrics |= batch_metrics(samples, batch.full, self.version) | rl_step.summary(actor, "actor") | routes
+        metrics |= batch_metrics(samples, batch.full, version) | rl_step.summary(actor, "actor") | routes
         if c.critic is not None:
             metrics |= rl_step.summary(critic[-1], "critic")
-        return metrics | {"_applied": actor.applied}
+        return metrics | pushed | {"_applied": actor.applied and not early}
 
     def _batch(self, samples: list[Sample], max_tokens: int, min_microbatches: int = 1) -> LocalBatch:
         ctx = self.c.ctx
@@ -183,7 +199,7 @@ class Trainer:
 
         def rank0() -> list[Sample] | str:
             try:
-                return self.rollout.next_batch(self.cfg.scheduler.batch_size)
+                return self.rollout.next_batch(self.cfg.scheduler.batch_size, version=self.version)
             except NoEngineError as exc:  # every rank must learn it, then checkpoint together
                 return str(exc)
         got = broadcast_object(rank0() if self.rank0 else None)
@@ -206,7 +222,9 @@ class Trainer:
         return bool(every) and self.step % every == 0
 
     def save(self) -> None:
-        """Collective: models + optimizers + trainer state into an atomic checkpoint directory."""
+        """Collective: models + optimizers + trainer state into an atomic checkpoint directory (after the push
+        in flight: the checkpoint's version is the one the engines serve and the scheduler counts with)."""
+        self.publisher.wait()
         self.state.save(self.step, self.c.models(), {
             "step": self.step, "version": self.version, "nan_streak": self.guard.streak,
             "scheduler": self.rollout.state_dict() if self.rollout else None,
@@ -227,7 +245,10 @@ class Trainer:
     def _log(self, metrics: dict[str, Any]) -> None:
         if self.rank0:  # logged under the 0-based index of the step just trained
             metrics |= self.rollout.metrics()
-            metrics |= self.evaluator.maybe_run(self.step, self.rollout, self.version) | self._start_eval
+            if self.evaluator.due(self.step):  # sample from the weights just published
+                self.publisher.wait_local()
+            metrics |= self.evaluator.maybe_run(self.step, self.rollout, self.publisher.served.version)
+            metrics |= self._start_eval
             self._start_eval = {}
             self.logger.log(self.step - 1, metrics)
 
@@ -238,9 +259,19 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, handler)
 
-    def close(self) -> None:
+    def close(self, *, raise_push_error: bool = True) -> None:
+        """Waits for the push in flight and closes everything; its error raises after closing unless
+        ``raise_push_error`` is False (another error is already on its way out: the push's is logged)."""
+        error = None
+        if raise_push_error:
+            try:
+                self.publisher.wait()
+            except Exception as exc:  # noqa: BLE001 - raised once everything is closed
+                error = exc
         self.publisher.close()
         if self.rollout is not None:
             self.rollout.close()
         if self.logger is not None:
             self.logger.close()
+        if error is not None:
+            raise error

@@ -56,8 +56,9 @@ def main() -> None:
         engines = start_external(trainer, cfg, run_dir) if external else None
         trainer._start_rollout(None)
         assert trainer._update(fixed_samples(cfg.model.vocab_size)).pop("_applied")
-        first = trainer.publisher.publish()  # version 1
-        second = trainer.publisher.publish()  # version 2, same layout: not verified again
+        # With rollout.overlap_weight_push a push's metrics come from the wait that joins it.
+        first = trainer.publisher.publish() | trainer.publisher.wait()  # version 1
+        second = trainer.publisher.publish() | trainer.publisher.wait()  # version 2, same layout: not verified again
         client = trainer.rollout.client if trainer.rank0 else None
         if client is not None:  # an episode retry probes health: the engines serve the pushed version
             trainer.rollout.bridge.run(client.health())
