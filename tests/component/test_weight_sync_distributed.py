@@ -251,6 +251,21 @@ def test_engine_killed_during_sync(engines, tiny_dirs):  # noqa: F811 - kills an
     assert time.monotonic() - start < 120
 
 
+def fused_reference(pushed):
+    """The test's own tensors grouped under SGLang's held names, parts in SGLang's row order: q, k, v;
+    each expert's gate then up (w13); the experts' down (w2). Unfused tensors stand alone."""
+    rank = {"q_proj": 0, "k_proj": 1, "v_proj": 2, "gate_proj": 0, "up_proj": 1, "down_proj": 0}
+    groups: dict[str, list] = {}
+    for name, t in pushed:
+        groups.setdefault(held_name(name), []).append((name, t))
+
+    def key(item):
+        parts = item[0].split(".")
+        expert = int(parts[parts.index("experts") + 1]) if "experts" in parts else 0
+        return expert, rank.get(parts[-2], 0)
+    return {held: [t for _, t in sorted(items, key=key)] for held, items in groups.items()}
+
+
 def test_pipelined_buckets_deliver_every_tensor_in_order(engines, tiny_dirs):  # noqa: F811
     """Many small buckets, each flattened while the one before is on the wire and loaded while the next
     arrives (reused buffers on both ends): both engines then hold exactly the pushed bytes (sha256 of the
@@ -276,8 +291,9 @@ def test_pipelined_buckets_deliver_every_tensor_in_order(engines, tiny_dirs):  #
                 assert len(group[-1]["names"]) == 1  # the version rides on one small tensor sent again
                 sums = httpx.post(url + "/weights_checker", json={"action": "checksum"},
                                   headers=HEADERS).json()["ranks"][0]["checksums"]
-                for name, t in pushed:
-                    assert sums[name] == hashlib.sha256(t.contiguous().numpy().tobytes()).digest()[:8].hex(), name
+                for held, parts in fused_reference(pushed).items():
+                    want = hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in parts)).digest()[:8]
+                    assert sums[held] == want.hex(), held
             assert versions(engines.urls) == [str(version)] * 2
     finally:
         sync.close()
