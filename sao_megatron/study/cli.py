@@ -11,6 +11,7 @@ writes ``DIR/results.md``, ``DIR/results.csv`` and ``DIR/plots/``.
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 
@@ -54,7 +55,9 @@ def format_plan(plan, jobs: int, estimate_s: float) -> str:
     lines.append(f"pairs (warm-up, RL seed): {' '.join(f'w{a}r{b}' for a, b in pairs)}")
     done, wall, cpu = measured_run_cost(plan)
     if done:
-        lines.append(f"measured: {done} finished RL run(s), per run {wall:.0f} s wall, {cpu:.0f} s CPU (mean)")
+        # NaN: every finished run predates the CPU record
+        cpu_text = "CPU not recorded" if math.isnan(cpu) else f"{cpu:.0f} s CPU"
+        lines.append(f"measured: {done} finished RL run(s), per run {wall:.0f} s wall, {cpu_text} (mean)")
     lines.append(f"estimated time: {estimate_s / 60:.0f} min for the unfinished runs")
     return "\n".join(lines)
 
