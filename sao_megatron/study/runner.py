@@ -2,9 +2,8 @@
 ``sao-megatron train`` subprocess per arm x (warm-up, RL seed), ``jobs`` at a time.
 
 Each run owns its directory; a finished one has ``study_done.json`` there (its wall and CPU
-seconds) and is skipped. An
-interrupted RL run resumes from its latest checkpoint (``--resume auto``); an interrupted warm-up
-starts over (its partial actor is removed). So the same command continues a study. The estimate of
+seconds) and is skipped. An interrupted RL run resumes from its latest checkpoint (``--resume
+auto``); an interrupted warm-up starts over (its partial actor is removed). So the same command continues a study. The estimate of
 the remaining time uses the wall time per trained sample of the RL runs already finished, else the
 study file's ``seconds_per_sample``, ``startup_s`` and ``warmup_s``.
 """
