@@ -11,6 +11,7 @@ writes ``DIR/results.md``, ``DIR/results.csv`` and ``DIR/plots/``.
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 
@@ -30,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def format_plan(plan, jobs: int, estimate_s: float) -> str:
-    from sao_megatron.study.runner import is_done
+    from sao_megatron.study.runner import is_done, measured_run_cost
     from sao_megatron.study.summary import shape_of
 
     spec, w, r = plan.spec, len(plan.warmups), spec_rl_seeds(plan)
@@ -52,6 +53,11 @@ def format_plan(plan, jobs: int, estimate_s: float) -> str:
         lines.append(f"{name:<31} {'not runnable':>18}  {err}")
     pairs = sorted({x.pair for x in plan.runs})
     lines.append(f"pairs (warm-up, RL seed): {' '.join(f'w{a}r{b}' for a, b in pairs)}")
+    done, wall, cpu = measured_run_cost(plan)
+    if done:
+        # NaN: every finished run predates the CPU record
+        cpu_text = "CPU not recorded" if math.isnan(cpu) else f"{cpu:.0f} s CPU"
+        lines.append(f"measured: {done} finished RL run(s), per run {wall:.0f} s wall, {cpu_text} (mean)")
     lines.append(f"estimated time: {estimate_s / 60:.0f} min for the unfinished runs")
     return "\n".join(lines)
 

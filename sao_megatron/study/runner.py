@@ -1,9 +1,9 @@
 """Run a study plan: the warm-ups first (``sao-megatron sft``, one per warm-up seed), then one
 ``sao-megatron train`` subprocess per arm x (warm-up, RL seed), ``jobs`` at a time.
 
-Each run owns its directory; a finished one has ``study_done.json`` there and is skipped. An
-interrupted RL run resumes from its latest checkpoint (``--resume auto``); an interrupted warm-up
-starts over (its partial actor is removed). So the same command continues a study. The estimate of
+Each run owns its directory; a finished one has ``study_done.json`` there (its wall and CPU
+seconds) and is skipped. An interrupted RL run resumes from its latest checkpoint (``--resume
+auto``); an interrupted warm-up starts over (its partial actor is removed). So the same command continues a study. The estimate of
 the remaining time uses the wall time per trained sample of the RL runs already finished, else the
 study file's ``seconds_per_sample``, ``startup_s`` and ``warmup_s``.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -47,6 +48,14 @@ def measured_seconds_per_sample(plan: Plan) -> float | None:
             info = json.loads((run.run_dir / DONE_FILE).read_text())
             rates.append(info["wall_s"] / max(1, run.num_steps * run.batch_size))
     return sum(rates) / len(rates) if rates else None
+
+
+def measured_run_cost(plan: Plan) -> tuple[int, float, float]:
+    """(finished RL runs, mean wall s, mean CPU s per run; NaN where none recorded one)."""
+    infos = [json.loads((r.run_dir / DONE_FILE).read_text()) for r in plan.runs if is_done(r)]
+    walls = [i["wall_s"] for i in infos]
+    cpus = [i["cpu_s"] for i in infos if "cpu_s" in i]  # studies run before CPU time was recorded lack it
+    return len(infos), sum(walls) / len(walls) if walls else math.nan, sum(cpus) / len(cpus) if cpus else math.nan
 
 
 def estimate_seconds(plan: Plan, jobs: int) -> float:
@@ -140,6 +149,18 @@ def _start(job: _Job, env: dict[str, str]) -> tuple[subprocess.Popen, object]:
     return subprocess.Popen(job.command, stdout=logf, stderr=subprocess.STDOUT, env=env), logf
 
 
+def _reap(proc: subprocess.Popen) -> float | None:
+    """None while ``proc`` runs; else its CPU seconds (user + system, with the descendants it waited
+    for: the engine and the reward workers), which, unlike wall time, a shared machine does not inflate."""
+    if proc.returncode is not None:  # reaped elsewhere: its usage is gone
+        return math.nan
+    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    if pid == 0:
+        return None
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+    return usage.ru_utime + usage.ru_stime
+
+
 def _loop(todo: list[_Job], running: list, failed: list, jobs: int, env: dict[str, str],
           on_event: Callable[[str], None], poll_s: float) -> None:
     todo = list(todo)
@@ -153,14 +174,15 @@ def _loop(todo: list[_Job], running: list, failed: list, jobs: int, env: dict[st
         time.sleep(poll_s)
         for entry in list(running):
             job, proc, t0, logf = entry
-            if proc.poll() is None:
+            cpu = _reap(proc)
+            if cpu is None:
                 continue
             running.remove(entry)
             logf.close()
             wall = time.monotonic() - t0
             if proc.returncode == 0 and job.finished():
-                (job.item.run_dir / DONE_FILE).write_text(json.dumps({"wall_s": wall}))
-                on_event(f"done  {job.name} in {wall:.0f} s")
+                (job.item.run_dir / DONE_FILE).write_text(json.dumps({"wall_s": wall, "cpu_s": cpu}))
+                on_event(f"done  {job.name} in {wall:.0f} s (CPU {cpu:.0f} s)")
             else:
                 failed.append(job.item)
                 on_event(f"FAILED {job.name} (exit {proc.returncode}); see the log in {job.item.run_dir}")

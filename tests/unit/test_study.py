@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import csv
+import json
 import math
 import sys
 
@@ -33,8 +34,9 @@ def test_plan_shapes_and_equal_sample_budget(tmp_path):
     assert not plan.errors and len(plan.runs) == 2 * 2 * len(FULL)
     shape = {r.variant: (r.batch_size // r.group_size, r.group_size, r.num_steps) for r in plan.runs}
     b = 32
-    assert shape["sao"] == (b, 1, 100) and shape["grpo"] == (b // 8, 8, 100) and shape["grpo_dis"] == (b // 8, 8, 100)
-    assert shape["grpo_dis_equal_diversity"] == (b, 8, 12) and shape["sao_group_shaped"] == (b // 8, 8, 100)
+    n = spec.samples_per_run // b  # steps of a batch-B arm (200 at 6,400 samples)
+    assert shape["sao"] == (b, 1, n) and shape["grpo"] == (b // 8, 8, n) and shape["grpo_dis"] == (b // 8, 8, n)
+    assert shape["grpo_dis_equal_diversity"] == (b, 8, n // 8) and shape["sao_group_shaped"] == (b // 8, 8, n)
     # the equal-steps control: as many steps as SAO, 8x the samples
     assert shape["grpo_dis_equal_diversity_steps"] == (b, 8, shape["sao"][2])
     for r in plan.runs:  # equal sample budget, up to the rounding of a step (the equal-steps arm aside)
@@ -106,12 +108,12 @@ def test_dry_run_lists_the_nested_design_and_every_variant(tmp_path, capsys):
     assert main(["study", "--config", STUDY, "--out", str(tmp_path), "--full", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "2 warm-up seeds x 4 RL seeds = 8 paired runs per arm" in out
-    assert "warm-up w0: sao-megatron sft run.sft_steps=100 run.seed=1234" in out and "warm-up w1:" in out
+    assert "warm-up w0: sao-megatron sft run.sft_steps=200 run.seed=1234" in out and "warm-up w1:" in out
     rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in FULL}
     assert sorted(rows) == sorted(FULL)
-    assert rows["grpo_dis_equal_diversity_steps"][1:5] == ["32x8", "100", "25600", "8"]
-    assert rows["grpo_dis_equal_diversity"][1:5] == ["32x8", "12", "3072", "8"]
-    assert rows["sao_staleness4"][1:3] == ["32x1", "100"] and rows["grpo"][1:3] == ["4x8", "100"]
+    assert rows["grpo_dis_equal_diversity_steps"][1:5] == ["32x8", "200", "51200", "8"]
+    assert rows["grpo_dis_equal_diversity"][1:5] == ["32x8", "25", "6400", "8"]
+    assert rows["sao_staleness4"][1:3] == ["32x1", "200"] and rows["grpo"][1:3] == ["4x8", "200"]
     assert "pairs (warm-up, RL seed): w0r0 w0r1 w0r2 w0r3 w1r0 w1r1 w1r2 w1r3" in out
     assert "estimated time:" in out
     assert not any(tmp_path.iterdir())  # nothing ran
@@ -215,6 +217,33 @@ def test_execute_warms_up_first_is_resumable_and_tables_aggregate_over_pairs(tmp
     assert float(row["heldout_pass_at_1_mean"]) == pytest.approx(0.5)  # runs give 0, 0.5, 1.0
     assert float(row["heldout_pass_at_1_high"]) - 0.5 == pytest.approx(4.302652729911275 * 0.5 / math.sqrt(3))
     assert "| sao | 32x1 | 3 | 0.500 ± 1.242" in md.read_text()
+
+
+def test_a_finished_run_records_the_cpu_time_of_its_process_tree(tmp_path, monkeypatch):
+    """study_done.json's cpu_s is the run's CPU, including a child process it waited for (the engine):
+    at least what the two processes measured of themselves, and not the study's own."""
+    spec, base = load_study(STUDY)
+    spec.samples_per_run = 32
+    plan = build_plan(spec, base, tmp_path / "out", variants=["sao"], seeds=1, warmup_seeds=1)
+    burn = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+            "open(sys.argv[1], 'w').write(str(time.process_time()))\n")
+    script = tmp_path / "burn_cli.py"
+    script.write_text(
+        "import json, pathlib, subprocess, sys\n"
+        f"burn = {burn!r}\n"
+        "run = pathlib.Path(sys.argv[sys.argv.index('--run-dir') + 1]); run.mkdir(parents=True, exist_ok=True)\n"
+        "subprocess.run([sys.executable, '-c', burn, str(run / 'child_cpu')], check=True)\n"
+        "if sys.argv[1] == 'sft':\n"
+        "    (run / 'sft_actor').mkdir(); (run / 'sft_actor' / 'metadata.json').write_text('{}')\n"
+        "else:\n"
+        "    (run / 'metrics.jsonl').write_text(json.dumps({'step': 0, 'reward/mean': 0.0}) + '\\n')\n"
+        "exec(burn.replace('sys.argv[1]', repr(str(run / 'own_cpu'))))\n")
+    _fake_commands(monkeypatch, script)
+    assert runner.execute(plan, 1, on_event=lambda m: None, poll_s=0.05) == []
+    for item in (plan.warmups[0], plan.runs[0]):
+        info = json.loads((item.run_dir / runner.DONE_FILE).read_text())
+        own, child = (float((item.run_dir / f).read_text()) for f in ("own_cpu", "child_cpu"))
+        assert own + child <= info["cpu_s"] < own + child + 5.0 and info["cpu_s"] <= 2 * info["wall_s"] + 0.1
 
 
 def test_a_failed_warmup_fails_its_arms_without_starting_them(tmp_path, monkeypatch):
