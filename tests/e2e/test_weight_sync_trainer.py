@@ -90,4 +90,6 @@ def test_main_job_with_distributed_sync(tmp_path):
     run_train(run_dir, "rollout.weight_sync=distributed")
     metrics = metrics_by_step(run_dir)
     assert [m["version"] for m in metrics] == [1, 2, 3, 4]
-    assert all(m["rollout/weight_sync_bytes"] > 0 and m["rollout/staleness_max"] <= 1 for m in metrics)
+    assert all(m["rollout/staleness_max"] <= 1 for m in metrics)
+    # Overlapped (the default), a push's metrics arrive with the step during which it finished: the next.
+    assert all(m["rollout/weight_sync_bytes"] > 0 for m in metrics[1:])

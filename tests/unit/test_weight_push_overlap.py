@@ -23,7 +23,7 @@ pytestmark = pytest.mark.unit
 
 
 async def overlapped_trainer(sched, client, steps: int, *, eta: int, batch: int, push_s: float,
-                             train_s: float, judge_at_actor: bool = True):
+                             train_s: float, judge_at_actor: bool = True, wait_ready: bool = True):
     """The trainer's order with overlap: batch → update (actor + 1) → wait for the previous push → start
     this one in the background. Returns [(actor version, served version, batch)] and the admission log."""
     admissions = []  # (num_started, bound from the version the engine serves) at every episode start
@@ -41,6 +41,11 @@ async def overlapped_trainer(sched, client, steps: int, *, eta: int, batch: int,
         actor += 1
         if push is not None:
             await push  # at most one push in flight
+        # Generation pauses during a push, so the next batch can be taken while this push is in flight
+        # only if it finished before: wait for it (an event, not a time: beside a CPU hog, 1 run of the
+        # 10-ms version took no batch during a push).
+        if wait_ready:
+            await asyncio.wait_for(_finished_at_least(sched, batch), timeout=60)
 
         async def load(v=actor):
             await asyncio.sleep(push_s)  # the engines load while the trainer goes on
@@ -48,6 +53,11 @@ async def overlapped_trainer(sched, client, steps: int, *, eta: int, batch: int,
         push = asyncio.ensure_future(sched.on_weights_updated(actor, load))
     await push
     return consumed, admissions
+
+
+async def _finished_at_least(sched, n: int) -> None:
+    while sched._fifo.num_samples() < n:
+        await asyncio.sleep(0.005)
 
 
 @pytest.mark.parametrize("eta", [1, 2])
@@ -82,7 +92,8 @@ def test_judging_staleness_at_the_served_version_would_train_stale_tokens():
         c = FakeClient(token_time=0.002, p_stop=0.1, seed=1)
         s = make(c, eta=1, concurrency=12, max_new_tokens=30)
         await s.start()
-        out = await overlapped_trainer(s, c, 10, eta=1, batch=4, push_s=0.2, train_s=0.01, judge_at_actor=False)
+        out = await overlapped_trainer(s, c, 10, eta=1, batch=4, push_s=0.2, train_s=0.01, judge_at_actor=False,
+                                         wait_ready=False)
         await s.stop()
         return out
     consumed, _ = asyncio.run(run())
