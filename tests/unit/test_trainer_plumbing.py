@@ -151,3 +151,26 @@ def test_token_ids_outside_the_vocabulary_stop_the_update():
     for bad in (100, -1):
         with pytest.raises(SaoError, match=f"token id {bad}, outside model.vocab_size=100"):
             check_token_ids(torch.tensor([[0, bad, 3]]), vocab_size=100)
+
+
+def _probe_run_dir_repeatedly(path: str, rounds: int) -> int:
+    from sao_megatron.training.verbs.cli import _check_run_dir
+
+    failures = 0
+    for _ in range(rounds):
+        try:
+            _check_run_dir(path)
+        except ValueError:
+            failures += 1
+    return failures
+
+
+def test_run_dir_check_survives_every_local_rank_probing_at_once(tmp_path):
+    """All local ranks of a node check the run dir at the same moment (CI's 3-node Slurm job failed on it
+    when one rank unlinked the probe file another had just written)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        failures = pool.starmap(_probe_run_dir_repeatedly, [(str(tmp_path / "run"), 300)] * 4)
+    assert sum(failures) == 0
+    assert list((tmp_path / "run").iterdir()) == []  # no probe left behind

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import pathlib
+import tempfile
 
 from sao_megatron.config.cli import add_config_args
 
@@ -32,9 +33,10 @@ def _check_run_dir(path: str) -> pathlib.Path:
     run_dir = pathlib.Path(path)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_test"
-        probe.write_text("")
-        probe.unlink()
+        # A probe of its own per process: every local rank of a node runs this check at once on the same
+        # directory, and a shared probe name let one rank unlink another's file (ENOENT, CI run 2026-12-02).
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write_test."):
+            pass
     except OSError as exc:
         raise ValueError(f"--run-dir {run_dir} is not writable ({exc}); choose another directory") from exc
     return run_dir
