@@ -193,6 +193,80 @@ def held_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]],
             for held, parts in held_tensors(named_tensors).items()}
 
 
+class StreamingChecksums:
+    """:func:`held_checksums` of an export that arrives in pieces (disk shards, distributed buckets).
+
+    Per piece, a fused parameter whose parts straddle two pieces could not be hashed as the engine holds
+    it, and was left unverified. This hashes each fused parameter across pieces: a part in its place
+    (the export's order: q, k, v; expert 0's gate, up, then expert 1's ...) goes straight into the
+    parameter's running sha256, a part ahead of its place waits as a copy until the parts before it came.
+    A parameter still missing parts at :meth:`result` (experts on another rank) keeps its parts under their
+    checkpoint names, unverifiable against the engine as before (``weight_sync/unverified_tensors``)."""
+
+    def __init__(self, holding: EngineHolding | None = None):
+        self.holding = holding or EngineHolding(None)
+        self._done: dict[str, str] = {}
+        self._fused: dict[str, _FusedHash] = {}
+        self._experts: dict[str, int] = {}  # "<layer>.mlp" → number of experts (the router's rows)
+
+    def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            held = held_name(name)
+            t = as_held(held, tensor, self.holding)
+            if name.endswith(".gate.weight") and t.dim() == 2:
+                self._experts[name.removesuffix(".gate.weight")] = t.shape[0]
+            if held == name:
+                self._done[name] = tensor_checksum(t)
+            else:
+                self._fused.setdefault(held, _FusedHash(held)).add(name, t)
+
+    def result(self) -> dict[str, str]:
+        out = dict(self._done)
+        for held, fused in self._fused.items():
+            if fused.complete(self._experts.get(held.rsplit(".experts.", 1)[0])):
+                out[held] = f"{int.from_bytes(fused.sha.digest()[:8], 'big'):016x}"
+            else:
+                out |= fused.part_sums
+        return out
+
+
+class _FusedHash:
+    """One fused parameter's running hash (see :class:`StreamingChecksums`)."""
+
+    def __init__(self, held: str):
+        self.per_expert = 2 if held.endswith(".w13_weight") else 1
+        self.experts = held.endswith((".w13_weight", ".w2_weight"))
+        self.stack = sum(param == held.rsplit(".", 2)[-2] for param, _ in _STACKED.values())
+        self.sha = hashlib.sha256()
+        self.next = (0, 0)
+        self.waiting: dict[tuple[int, int], torch.Tensor] = {}
+        self.part_sums: dict[str, str] = {}
+        self.seen = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self.part_sums[name] = tensor_checksum(t)
+        self.seen += 1
+        key = _part_key(name)
+        if key != self.next:  # ahead of its place (or a stray): kept until its turn
+            self.waiting[key] = t.detach().cpu().clone()
+            return
+        self._feed(t)
+        while self.next in self.waiting:
+            self._feed(self.waiting.pop(self.next))
+
+    def _feed(self, t: torch.Tensor) -> None:
+        self.sha.update(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        e, k = self.next
+        self.next = (e + 1, 0) if self.experts and k + 1 == self.per_expert else (e, k + 1)
+
+    def complete(self, num_experts: int | None) -> bool:
+        if self.waiting:
+            return False
+        if self.experts:
+            return num_experts is not None and self.next == (num_experts, 0) and self.seen == num_experts * self.per_expert
+        return self.next == (0, self.stack) and self.seen == self.stack
+
+
 def expected_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]],
                        holding: EngineHolding | None = None) -> dict[str, str]:
     """Checksums of exported HF tensors as an engine holding them as ``holding`` reports them

@@ -41,9 +41,9 @@ import httpx
 import torch
 
 from sao_megatron.config.schema import RolloutConfig
-from sao_megatron.rollout.weight_check import EngineHolding, expected_checksums
+from sao_megatron.rollout.weight_check import EngineHolding, StreamingChecksums
 from sao_megatron.rollout.weight_sync_distributed import (
-    DistributedWeightSync, Paused, WeightSyncError, _World, check_engine)
+    DistributedWeightSync, Paused, Unverified, WeightSyncError, _World, verify_engines)
 
 logger = logging.getLogger(__name__)
 
@@ -210,15 +210,15 @@ class DiskWeightSync:
         token = self.world.bcast(uuid.uuid4().hex[:8])
         tmp = self.sync_root / f".v{version:06d}.tmp-{token}"
         tmp.mkdir(parents=True, exist_ok=True)
-        parts, sums = [], {}
+        parts = []
+        streams = {h: StreamingChecksums(h) for h in self.holdings.values() if checksums and not h.unverifiable}
         for i, shard in enumerate(_shards(owned, self.max_shard_bytes)):
             name = f"part-r{self.world.rank:05d}-{i:05d}.safetensors"
             _save_shard(shard, tmp / name)
             parts.append((name, {k: t.numel() * t.element_size() for k, t in shard.items()}))
-            if checksums:
-                for holding in {h for h in self.holdings.values() if not h.unverifiable}:
-                    sums.setdefault(holding, {}).update(expected_checksums(shard.items(), holding))
-        everyone = self.world.gather((parts, sums))
+            for stream in streams.values():
+                stream.update(shard.items())
+        everyone = self.world.gather((parts, {h: stream.result() for h, stream in streams.items()}))
         if self.world.rank != 0:
             return None, {}
         try:
@@ -296,23 +296,12 @@ class DiskWeightSync:
         else:
             paused(update)
         urls = self.client.healthy_urls()
-        unverified = len(urls) if expected is None else self._verify(urls, expected)
+        unverified = Unverified(len(urls), 0) if expected is None else verify_engines(
+            self.http, [(u, self.holdings.get(u, EngineHolding(None, unverifiable="not connected"))) for u in urls],
+            expected, strict=self.strict_names)
         self._prune()
         nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        return {"weight_sync/bytes": float(nbytes), "weight_sync/verified": float(not unverified),
-                "weight_sync/unverified_engines": float(unverified)}
-
-    def _verify(self, urls: list[str], expected: dict[EngineHolding, dict[str, str]]) -> int:
-        """Checks every engine whose checksums can be reproduced; returns how many could not."""
-        unverified = 0
-        for url in urls:
-            holding = self.holdings.get(url, EngineHolding(None, unverifiable="not connected"))
-            if holding.unverifiable:
-                logger.warning("%s: weights not verified (%s)", url, holding.unverifiable)
-                unverified += 1
-            elif not check_engine(self.http, url, expected.get(holding, {}), strict=self.strict_names):
-                unverified += 1
-        return unverified
+        return {"weight_sync/bytes": float(nbytes), **unverified.metrics()}
 
     def _prune(self) -> None:
         versions = sorted(p for p in self.sync_root.glob("v[0-9]*") if p.is_dir())

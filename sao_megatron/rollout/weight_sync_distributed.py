@@ -48,7 +48,7 @@ from sao_megatron.errors import SaoError
 from sao_megatron.rollout.send_buffers import GLOO_PIPELINE_BYTES, Flat, SendBuffers, smallest_alone, timed
 from sao_megatron.rollout.update_group import FLATTENED_BUCKET, dtype_name, init_custom_process_group
 from sao_megatron.rollout.weight_check import (
-    EngineHolding, WeightMismatchError, compare_checksums, expected_checksums)
+    EngineHolding, StreamingChecksums, WeightMismatchError, compare_checksums)
 
 logger = logging.getLogger(__name__)
 
@@ -364,12 +364,13 @@ class DistributedWeightSync:
         (``_send_to_engines`` in the send thread), so a push costs the broadcasts plus one flatten."""
         final: tuple[str, torch.Tensor] | None = None
         inflight = None
+        streams: dict[EngineHolding, StreamingChecksums] = {}  # fused parameters hashed across buckets
         try:
             for k, bucket in enumerate(_buckets(owned, self.chunk_bytes)):
                 stats.owned += sum(t.numel() * t.element_size() for _, t in bucket)
                 if verify:
                     for holding in {l.holding for l in self.links if not l.holding.unverifiable}:
-                        stats.checksums.setdefault(holding, {}).update(expected_checksums(bucket, holding))
+                        streams.setdefault(holding, StreamingChecksums(holding)).update(bucket)
                 if self.world.rank == 0:
                     final = smallest_alone(bucket, final)
                 flat = self._flatten(bucket, k, stats)  # overlaps the send of bucket k-1
@@ -379,6 +380,7 @@ class DistributedWeightSync:
         finally:  # an export that fails mid-push: the bucket on the wire completes before the sessions end
             if inflight is not None:
                 self._wait_send(inflight, stats)
+        stats.checksums = {holding: stream.result() for holding, stream in streams.items()}
         return None if final is None else self._flatten([final], 0, stats)
 
     def _wait_send(self, inflight, stats: _SenderStats) -> None:
@@ -451,7 +453,7 @@ class DistributedWeightSync:
         if not ok:
             return f"weight sync of version {version} reached no engine: " + "; ".join(
                 f"{l.url}: {l.failed}" for l in self.links)
-        unverified = len(ok)
+        unverified = Unverified(len(ok), 0)
         if verify:
             expected: dict[EngineHolding, dict[str, str]] = {}
             for s in everyone:
@@ -475,19 +477,11 @@ class DistributedWeightSync:
             except EngineSyncFailed as exc:
                 link.failed = link.failed or str(exc)
 
-    def _verify(self, links: list[EngineLink], expected: dict[EngineHolding, dict[str, str]]) -> int:
-        """Checks every engine whose checksums can be reproduced; returns how many could not."""
-        unverified = 0
-        for link in links:
-            if link.holding.unverifiable:
-                logger.warning("%s: weights not verified (%s); the log-prob parity gate covers it", link.url,
-                               link.holding.unverifiable)
-                unverified += 1
-            elif not check_engine(self.http, link.url, expected.get(link.holding, {}), strict=self.strict_names):
-                unverified += 1
-        return unverified
+    def _verify(self, links: list[EngineLink], expected: dict[EngineHolding, dict[str, str]]) -> Unverified:
+        return verify_engines(self.http, [(l.url, l.holding) for l in links], expected, strict=self.strict_names)
 
-    def _metrics(self, everyone: list[_SenderStats], stats0: _SenderStats, unverified: int) -> dict[str, float]:
+    def _metrics(self, everyone: list[_SenderStats], stats0: _SenderStats,
+                 unverified: Unverified) -> dict[str, float]:
         """``weight_sync/verified`` is 1 only when every engine the push reached had its checksums compared."""
         failed = [l for l in self.links if l.failed is not None]
         # the version-carrying call repeats one tensor already delivered: not counted as weights sent
@@ -498,12 +492,55 @@ class DistributedWeightSync:
                 "weight_sync/sender_seconds_max": max((s.seconds for s in everyone), default=0.0),
                 "weight_sync/buckets": float(sum(s.buckets for s in everyone) + stats0.buckets),
                 **{f"weight_sync/{k}_seconds": v for k, v in everyone[0].phases.items()},
-                "weight_sync/failed_engines": float(len(failed)), "weight_sync/verified": float(not unverified),
-                "weight_sync/unverified_engines": float(unverified)}
+                "weight_sync/failed_engines": float(len(failed)), **unverified.metrics()}
 
     def failed_engines(self) -> dict[str, str]:
         """(rank 0) URL → reason for engines left out of the last push (they serve the previous version)."""
         return {l.url: l.failed for l in self.links if l.failed is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class Unverified:
+    """What a push's verification could not check."""
+
+    engines: int
+    """Engines whose checksums were not compared at all (CUDA, tp > 1, FP8, no /weights_checker)."""
+    tensors: int
+    """On the engines that were compared, the most exported tensors one of them left unchecked: parts of a
+    fused parameter whose other parts were exported elsewhere (another rank, another disk shard), so the
+    fused checksum cannot be formed, and (``weight_sync_strict_names`` off) names the engine does not
+    report."""
+
+    def metrics(self) -> dict[str, float]:
+        """``verified``: every engine reached had its checksums compared (and none differed);
+        ``unverified_tensors`` says how much of the export that comparison could not cover."""
+        return {"weight_sync/verified": float(not self.engines),
+                "weight_sync/unverified_engines": float(self.engines),
+                "weight_sync/unverified_tensors": float(self.tensors)}
+
+
+def verify_engines(http: httpx.Client, engines: list[tuple[str, EngineHolding]],
+                   expected: dict[EngineHolding, dict[str, str]], *, strict: bool) -> Unverified:
+    """Compare the checksums of every engine whose holding can be reproduced (WeightMismatchError on a
+    difference); count what could not be compared, and say so once per push."""
+    engines_left, tensors_left = 0, 0
+    for url, holding in engines:
+        if holding.unverifiable:
+            logger.warning("%s: weights not verified (%s); the log-prob parity gate covers it", url,
+                           holding.unverifiable)
+            engines_left += 1
+            continue
+        sums = expected.get(holding, {})
+        compared = check_engine(http, url, sums, strict=strict)
+        if not compared:
+            engines_left += 1
+        elif compared < len(sums):
+            tensors_left = max(tensors_left, len(sums) - compared)
+    if tensors_left:
+        logger.warning("weight verification left %d exported tensors unchecked (parts of fused parameters "
+                       "split over export shards or ranks; see docs/weight-publishing.md#verification)",
+                       tensors_left)
+    return Unverified(engines_left, tensors_left)
 
 
 def check_engine(http: httpx.Client, url: str, expected: dict[str, str], *, strict: bool) -> int:

@@ -95,7 +95,7 @@ def test_tp2_engines_are_reported_unverified():
     info = {"version": "0.5.23", "tp_size": 2, "device": "cpu", "dtype": "bfloat16"}
     sync.links = [EngineLink(0, "http://a", 2, EngineHolding.from_server_info(info, checkpoint_dtype=None))]
     unverified = sync._verify(sync.links, {})
-    assert unverified == 1
+    assert (unverified.engines, unverified.tensors) == (1, 0)
     metrics = sync._metrics([_stats()], _stats(), unverified)
     assert metrics["weight_sync/verified"] == 0 and metrics["weight_sync/unverified_engines"] == 1
 
