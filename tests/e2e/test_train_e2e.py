@@ -86,8 +86,9 @@ def test_sao_steps_version_bookkeeping_staleness_and_checkpoint(tmp_path):
     for m in metrics:
         assert_learning_metrics_consistent(m)
         assert m["rollout/staleness_max"] <= 1 and m["actor/update_applied"] == 1.0
-    # An overlapped push (the default) reports with the step during which it finished: from step 1 on.
-    assert all(m["rollout/weight_sync_bytes"] > 0 for m in metrics[1:])
+    # Every step's row carries its own push, the last one's too (overlapped, the default: the row waits
+    # for the push to finish; before, a row carried the previous step's push and the last was lost).
+    assert all(m["rollout/weight_sync_bytes"] > 0 and m["timing/weight_push_s"] > 0 for m in metrics)
     # On-policy at step 0 (samples of version 0, trainer at version 0): the trainer's log-probs are the
     # reference for the engine's; measured |ratio - 1| <= 5e-7 (fp32 reduction order), 1e-4 allowed.
     assert abs(metrics[0]["actor/ratio_min"] - 1) < 1e-4 and abs(metrics[0]["actor/ratio_max"] - 1) < 1e-4

@@ -159,8 +159,10 @@ def test_a_failed_background_push_surfaces_at_the_next_publish_naming_its_versio
         pub.publish(step=0)
         assert time.perf_counter() - t0 < 0.15  # returned before the engine finished loading
         assert pub.version == 1 and engine.loaded == []
-        second = pub.publish(step=1)  # joins v1 (its metrics come back here), starts v2
-        assert engine.loaded == [1] and second["rollout/weight_sync_bytes"] > 24  # 6 float32 + header
+        pub.publish(step=1)  # joins v1, starts v2
+        (step, first), = pub.take_finished()  # v1's metrics, with the step that published it
+        assert engine.loaded == [1] and step == 0 and first["rollout/weight_sync_bytes"] > 24  # 6 float32 + header
+        assert pub.in_flight_step == 1 and pub.take_finished() == []
         with pytest.raises(WeightPushError, match=r"version 2 \(published after step 1\).*engine refused"):
             pub.publish(step=2)
         assert pub.served.version == 1 and engine.version == 1  # the engines kept serving v1

@@ -81,7 +81,7 @@ class WeightPublisher:
         # batch waits for the push (the trainer asks); η ≥ 1 trains on the previous version's samples meanwhile.
         self.overlaps_batch = self.overlap and cfg.scheduler.max_staleness >= 1
         self._inflight: _Push | None = None
-        self._unreported: dict[str, float] = {}  # metrics of the last push joined, until a publish reports them
+        self._finished: list[tuple[int | None, dict[str, float]]] = []  # (step, metrics) of joined pushes
         self._thread = (concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="weight-push", initializer=_push_thread_device,
             initargs=(torch.cuda.current_device() if torch.cuda.is_available() else None,)) if self.overlap else None)
@@ -150,11 +150,13 @@ class WeightPublisher:
         """Collective: export, push and commit version + 1 on every engine (``step``: the step that made it).
 
         Synchronous, or with ``rollout.overlap_weight_push`` started in the background after waiting for the
-        previous push (whose error raises here). Returns rank 0's metrics of the push that finished in this
-        call (overlap: the previous one) and ``timing/weight_sync_s``, the time this call blocked."""
+        previous push (whose error raises here). Returns rank 0's ``timing/weight_sync_s`` (the time this
+        call blocked) and ``timing/weight_push_wait_s`` (of it, waiting for the previous push), and when
+        synchronous the push's own metrics. An overlapped push's metrics come from :meth:`take_finished`
+        once it was joined, with the step that published it."""
         t0 = time.perf_counter()
         self.wait()
-        done, self._unreported = self._unreported, {}
+        done: dict[str, float] = {}
         waited = time.perf_counter() - t0
         version = self.version + 1
         job = self._prepare(version)  # the export's collectives and the snapshot: on this (the main) thread
@@ -238,8 +240,8 @@ class WeightPublisher:
         return out
 
     def wait(self) -> dict[str, float]:
-        """Collective: join the push in flight, if any; rank 0 gets its metrics (the next publish reports
-        them too, so a wait before a checkpoint does not lose them). When it failed on any rank,
+        """Collective: join the push in flight, if any; rank 0 gets its metrics (also kept for
+        :meth:`take_finished`, so a wait before a checkpoint does not lose them). When it failed on any rank,
         every rank raises WeightPushError naming its version and step (ranks share the outcome, so none
         walks into the next collective alone)."""
         push, self._inflight = self._inflight, None
@@ -257,8 +259,21 @@ class WeightPublisher:
             step = f"published after step {push.step}" if push.step is not None else "published"
             raise WeightPushError(f"the background weight push of version {push.version} ({step}) failed: "
                                   f"{first}") from error
-        self._unreported = out if self.rank0 else {}
-        return self._unreported
+        if not self.rank0:
+            return {}
+        self._finished.append((push.step, out))
+        return out
+
+    def take_finished(self) -> list[tuple[int | None, dict[str, float]]]:
+        """(rank 0) The overlapped pushes joined since the last call: (the step that published it, its
+        metrics), oldest first."""
+        out, self._finished = self._finished, []
+        return out
+
+    @property
+    def in_flight_step(self) -> int | None:
+        """The step whose overlapped push is still in flight (None: none is)."""
+        return self._inflight.step if self._inflight is not None else None
 
     def wait_local(self) -> None:
         """This rank only, no collective: block until the push in flight is done (rank 0 before an evaluation,

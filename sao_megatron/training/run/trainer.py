@@ -63,6 +63,7 @@ class Trainer:
                                      config_dict=to_dict(cfg)) if self.rank0 else None)
         self._stop_signal: int | None = None
         self._start_eval: dict[str, float] = {}
+        self._rows: dict[int, dict[str, Any]] = {}  # steps whose overlapped push is still in flight
         self.evaluator = (PeriodicEval.from_config(cfg.eval, self.c.task, cfg.data, cfg.rollout,
                                                    num_steps=cfg.run.num_steps) if self.rank0 else None)
         if self.offload:  # Megatron logs every move at INFO (four lines a step); its setup lines are done by now
@@ -108,6 +109,8 @@ class Trainer:
                         log.warning("signal %s: checkpointed at step %d, exiting", self._stop_signal, self.step)
                         return 0
             self.publisher.wait()  # the engines serve the final version; a failed last push raises here
+            if self.rank0:
+                self._flush_rows()  # the last step's row, with its push
             self.state.saves.wait()
             if self.state.ckpt.latest() != self.state.ckpt.final_dir(self.step):
                 self.save()
@@ -225,6 +228,8 @@ class Trainer:
         """Collective: models + optimizers + trainer state into an atomic checkpoint directory (after the push
         in flight: the checkpoint's version is the one the engines serve and the scheduler counts with)."""
         self.publisher.wait()
+        if self.rank0:
+            self._flush_rows()  # every row before the checkpoint is in metrics.jsonl when it commits
         self.state.save(self.step, self.c.models(), {
             "step": self.step, "version": self.version, "nan_streak": self.guard.streak,
             "scheduler": self.rollout.state_dict() if self.rollout else None,
@@ -250,7 +255,21 @@ class Trainer:
             metrics |= self.evaluator.maybe_run(self.step, self.rollout, self.publisher.served.version)
             metrics |= self._start_eval
             self._start_eval = {}
-            self.logger.log(self.step - 1, metrics)
+            self._rows[self.step - 1] = metrics
+            self._flush_rows()
+
+    def _flush_rows(self, *, final: bool = False) -> None:
+        """(rank 0) Log the rows whose push is done, each with its own push's metrics. An overlapped push
+        finishes during the next step: its row waits for it (a row logs one step late), and the last
+        push's metrics are logged too. ``final``: log every row (a push that never finished: without)."""
+        for step, pushed in self.publisher.take_finished():
+            if step in self._rows:
+                self._rows[step] |= pushed
+        stop = None if final else self.publisher.in_flight_step
+        for step in sorted(self._rows):
+            if step == stop:
+                break  # later rows wait too: metrics.jsonl stays in step order
+            self.logger.log(step, self._rows.pop(step))
 
     def _install_signal_handlers(self) -> None:
         def handler(signum, _frame):
@@ -272,6 +291,8 @@ class Trainer:
         if self.rollout is not None:
             self.rollout.close()
         if self.logger is not None:
+            if self.rank0:
+                self._flush_rows(final=True)
             self.logger.close()
         if error is not None:
             raise error
