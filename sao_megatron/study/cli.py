@@ -1,11 +1,14 @@
 """`sao-megatron study --config configs/studies/paper-miniature.yaml --out DIR [--seeds R] [--warmup-seeds W]
-[--jobs J] [--dry-run] [--full] [--variants a,b]`: the paper's comparisons in miniature, with seeds and CIs.
+[--jobs J] [--dry-run] [--full] [--variants a,b] [--archive A]`: the paper's comparisons in miniature, with
+seeds and CIs.
 
 Prints the plan first: the W shared warm-ups, then per arm its prompts x rollouts per step, steps,
 and its W x R runs (warm-up seed x RL seed), and the estimated time; ``--dry-run`` stops there.
 Then runs every unfinished warm-up and run (resumable: run the same command again to continue) and
 writes ``DIR/results.md``, ``DIR/results.csv`` and ``DIR/plots/``.
-``--summarize`` only rewrites the tables and plots from the runs on disk.
+``--summarize`` only rewrites the tables and plots from the runs on disk. ``--archive A`` first restores
+the runs and warm-ups archived in A that match the plan, and archives each one that finishes
+(``study/archive.py``): a study too long for one machine session continues on another.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--variants", default=None, help="comma-separated variants to run instead")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the time estimate, run nothing")
     p.add_argument("--summarize", action="store_true", help="only write tables and plots from finished runs")
+    p.add_argument("--archive", default=None,
+                   help="directory of archived runs: restore the ones that match the plan, archive each "
+                        "run and warm-up as it finishes (continue a study on another machine)")
     p.set_defaults(func=_run)
 
 
@@ -87,13 +93,31 @@ def _run(args: argparse.Namespace) -> int:
     only = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
     out = pathlib.Path(args.out)
     plan = build_plan(spec, base, out, variants=select_variants(spec, full=args.full, only=only))
+    on_done = None
+    if args.archive:
+        from sao_megatron.study import archive
+        from sao_megatron.study.runner import DONE_FILE
+        from sao_megatron.study.spec import PlannedRun
+
+        store = pathlib.Path(args.archive)
+        warmups, runs = archive.restore(plan, store, DONE_FILE)
+        added = archive.backfill(plan, store, DONE_FILE)
+        sys.stdout.write(f"archive {store}: restored {warmups} warm-up(s) and {runs} run(s); archived {added} "
+                         "finished here before\n")
+
+        def on_done(item, done):
+            if isinstance(item, PlannedRun):
+                archive.save_run(plan, item, store, done)
+            else:
+                archive.save_warmup(plan, item, store)
     sys.stdout.write(format_plan(plan, spec.jobs, estimate_seconds(plan, spec.jobs)) + "\n")
     if plan.errors and not (args.dry_run or args.summarize):
         raise ValueError(f"variant(s) {sorted(plan.errors)} do not load with this version of sao-megatron (see "
                          "above); run the others with --variants")
     if args.dry_run:
         return 0
-    failed = [] if args.summarize else execute(plan, spec.jobs, on_event=lambda m: sys.stdout.write(m + "\n"))
+    failed = [] if args.summarize else execute(plan, spec.jobs, on_event=lambda m: sys.stdout.write(m + "\n"),
+                                               on_done=on_done)
     out.mkdir(parents=True, exist_ok=True)
     md, csv_path = write_tables(collect(plan), out, threshold=spec.threshold)
     plots = write_plots(plan, out / "plots")

@@ -111,25 +111,28 @@ def _run_job(plan: Plan, run: PlannedRun) -> _Job:
                 lambda: trained_steps(run) >= run.num_steps)
 
 
-def execute(plan: Plan, jobs: int, *, on_event: Callable[[str], None] = log.info,
-            poll_s: float = 2.0) -> list[PlannedRun | PlannedWarmup]:
+def execute(plan: Plan, jobs: int, *, on_event: Callable[[str], None] = log.info, poll_s: float = 2.0,
+            on_done: Callable[[PlannedRun | PlannedWarmup, dict], None] | None = None) -> list[PlannedRun | PlannedWarmup]:
     """Run every unfinished warm-up, then every unfinished RL run whose warm-up finished, ``jobs`` at a
-    time; returns what failed (an RL run whose warm-up failed counts as failed, not started)."""
+    time; returns what failed (an RL run whose warm-up failed counts as failed, not started).
+    ``on_done(item, done)``: called as each one finishes (``done``: its wall and CPU seconds)."""
     env = _child_env(jobs)
-    failed = _run_jobs([_warmup_job(plan, w) for w in plan.warmups if not is_done(w)], jobs, env, on_event, poll_s)
+    on_done = on_done or (lambda item, done: None)
+    failed = _run_jobs([_warmup_job(plan, w) for w in plan.warmups if not is_done(w)], jobs, env, on_event, poll_s,
+                       on_done)
     bad = {w.index for w in failed}
     pending = [r for r in plan.runs if not is_done(r)]
     failed += [r for r in pending if r.warmup_index in bad]
     jobs_rl = [_run_job(plan, r) for r in pending if r.warmup_index not in bad]
-    return failed + _run_jobs(jobs_rl, jobs, env, on_event, poll_s)
+    return failed + _run_jobs(jobs_rl, jobs, env, on_event, poll_s, on_done)
 
 
 def _run_jobs(todo: list[_Job], jobs: int, env: dict[str, str], on_event: Callable[[str], None],
-              poll_s: float) -> list:
+              poll_s: float, on_done: Callable[[PlannedRun | PlannedWarmup, dict], None]) -> list:
     running: list[tuple[_Job, subprocess.Popen, float, object]] = []
     failed: list = []
     try:
-        _loop(todo, running, failed, jobs, env, on_event, poll_s)
+        _loop(todo, running, failed, jobs, env, on_event, poll_s, on_done)
     finally:  # interrupted (Ctrl-C): stop the children; they resume from their checkpoints next time
         for _, proc, _, logf in running:
             proc.terminate()
@@ -162,7 +165,8 @@ def _reap(proc: subprocess.Popen) -> float | None:
 
 
 def _loop(todo: list[_Job], running: list, failed: list, jobs: int, env: dict[str, str],
-          on_event: Callable[[str], None], poll_s: float) -> None:
+          on_event: Callable[[str], None], poll_s: float,
+          on_done: Callable[[PlannedRun | PlannedWarmup, dict], None]) -> None:
     todo = list(todo)
     while todo or running:
         while todo and len(running) < jobs:
@@ -181,8 +185,10 @@ def _loop(todo: list[_Job], running: list, failed: list, jobs: int, env: dict[st
             logf.close()
             wall = time.monotonic() - t0
             if proc.returncode == 0 and job.finished():
-                (job.item.run_dir / DONE_FILE).write_text(json.dumps({"wall_s": wall, "cpu_s": cpu}))
+                done = {"wall_s": wall, "cpu_s": cpu}
+                (job.item.run_dir / DONE_FILE).write_text(json.dumps(done))
                 on_event(f"done  {job.name} in {wall:.0f} s (CPU {cpu:.0f} s)")
+                on_done(job.item, done)
             else:
                 failed.append(job.item)
                 on_event(f"FAILED {job.name} (exit {proc.returncode}); see the log in {job.item.run_dir}")

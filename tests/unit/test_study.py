@@ -7,6 +7,7 @@ import dataclasses
 import csv
 import json
 import math
+import pathlib
 import sys
 
 import pytest
@@ -316,3 +317,36 @@ def test_step_size_columns_by_hand():
     assert s["grad_norm"] == pytest.approx(1.5) and s["update_norm"] == pytest.approx(0.015)
     assert s["staleness"] == pytest.approx(0.25)
     assert math.isnan(run_stats(_records([0.1, 0.2]), threshold=0.5, online=False)["update_norm"])
+
+
+def test_an_archived_study_continues_on_another_machine(tmp_path, monkeypatch, capsys):
+    """--archive keeps each finished run and warm-up; a study in another directory (another machine)
+    restores the ones that match its plan instead of running them, and its tables come out the same.
+    A record measured with another configuration is not restored: that run runs again."""
+    _fake_commands(monkeypatch, _fake_cli(tmp_path))
+    store = tmp_path / "archive"
+    args = ["study", "--config", STUDY, "--variants", "sao", "--seeds", "2", "--warmup-seeds", "1",
+            "--archive", str(store)]
+    main(args + ["--out", str(tmp_path / "a")])  # r1 fails once (the fake CLI)
+    main(args + ["--out", str(tmp_path / "a")])
+    assert sorted(p.name for p in (store / "runs" / "sao").iterdir()) == ["w0r0.json.gz", "w0r1.json.gz"]
+    assert (store / "warmups" / "w0.tar.gz").is_file()
+    first = (tmp_path / "a" / "results.csv").read_text()
+
+    monkeypatch.setattr(runner, "train_command", lambda p, r: [sys.executable, "-c", "raise SystemExit(9)"])
+    monkeypatch.setattr(runner, "warmup_command", lambda p, w: [sys.executable, "-c", "raise SystemExit(9)"])
+    capsys.readouterr()
+    assert main(args + ["--out", str(tmp_path / "b")]) == 0  # nothing runs: every item restored
+    out = capsys.readouterr().out
+    assert "restored 1 warm-up(s) and 2 run(s)" in out and "start " not in out
+    assert (tmp_path / "b" / "results.csv").read_text() == first
+    assert (tmp_path / "b" / "warmup" / "w0" / "sft_actor" / "metadata.json").is_file()
+
+    # another configuration (a different learning rate for every arm): nothing matches, everything runs
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(open(STUDY).read().replace("actor.optimizer.lr: 2.0e-4", "actor.optimizer.lr: 3.0e-4")
+                       .replace("base: ../experiments/", f"base: {pathlib.Path(STUDY).resolve().parent.parent}/experiments/"))
+    capsys.readouterr()
+    assert main([a if a != STUDY else str(changed) for a in args] + ["--out", str(tmp_path / "c")]) == 1
+    out = capsys.readouterr().out
+    assert "restored 0 warm-up(s) and 0 run(s)" in out and "FAILED warm-up w0" in out
