@@ -48,8 +48,8 @@ def test_router_in_front_of_two_real_workers(sglang_server, second, tmp_path):
         async def run():
             async with RolloutClient(urls, router_url=router.url, api_key=API_KEY,
                                      routed_experts_layout=(LAYERS, TOPK)) as client:
-                return await asyncio.gather(*(client.generate([3, 4, 5 + i], SamplingParams(max_new_tokens=6))
-                                              for i in range(6)))
+                sp = SamplingParams(max_new_tokens=6, ignore_eos=True)  # EOS can be sampled: lengths vary
+                return await asyncio.gather(*(client.generate([3, 4, 5 + i], sp) for i in range(6)))
         for res in asyncio.run(run()):
             assert len(res.output_ids) == len(res.logprobs) == len(res.versions) == 6 and res.versions == [0] * 6
 
@@ -93,7 +93,7 @@ def test_sigkilled_engine_is_restarted_by_the_supervisor(second):
                 deadline = time.monotonic() + 400
                 while sup.num_restarts < 1 and time.monotonic() < deadline:
                     await asyncio.sleep(0.5)
-                after = await client.generate([5, 6, 7], SamplingParams(max_new_tokens=4))
+                after = await client.generate([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
                 return readmitted, in_flight, after, client.healthy_urls()
             finally:
                 loop.cancel()
