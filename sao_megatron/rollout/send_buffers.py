@@ -14,8 +14,12 @@ from sao_megatron.rollout.update_group import flatten_bucket
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
-GLOO_PIPELINE_BYTES = 16 << 20
-"""Bucket cap over gloo (CPU): ~10 ms on the wire, several times an update call's HTTP round trip."""
+GLOO_PIPELINE_BYTES = 24 << 20
+"""Bucket cap over gloo (CPU): ~10-15 ms on the wire, several times an update call's HTTP round trip.
+Measured (``benchmarks/weight_sync.py --pipeline-mb 16 24 30 32 64 256``, docs/benchmarks.md): against
+real SGLang on CPU 24-32 MB reach 0.42-0.54 of the floor where 16 MB reaches 0.27-0.37, and caps above
+32 MB fall back (SGLang receives each bucket into a fresh buffer; above glibc's 32 MiB mmap ceiling every
+such buffer is a fresh mapping that page-faults). 24 MB keeps every bucket clear of that ceiling."""
 
 
 @dataclass(slots=True)
