@@ -16,12 +16,13 @@ expert ids). Each sender joins one SGLang update group per engine
   reported (``failed_engines``) and ``reconnect`` rebuilds its groups later.
 
 Per push (SGLang 0.5.23 protocol): rank 0 opens ``/begin_weight_update`` on
-every live engine while generation is paused; the senders stream their buckets
-(one ``flattened_bucket`` broadcast per bucket, one dtype per bucket so every
-tensor is aligned) with ``/update_weights_from_distributed`` announcing names,
-dtypes and shapes; after every sender finished, rank 0 sends a last bucket
-(one small tensor again) carrying ``weight_version`` and ``flush_cache``;
-``/end_weight_update``. Buckets are pipelined: the sender flattens bucket k+1
+every live engine while generation is paused (a lone process: behind its first
+bucket's export); the senders stream their buckets (one ``flattened_bucket``
+broadcast per bucket, one dtype per bucket so every tensor is aligned) with
+``/update_weights_from_distributed`` announcing names, dtypes and shapes; the
+version and ``flush_cache`` ride on a lone sender's last bucket, or, with
+several senders, on a last call rank 0 makes after all of them (one small
+tensor again); ``/end_weight_update``. Buckets are pipelined: the sender flattens bucket k+1
 while k is on the wire, and the embedded engine receives k+1 while it loads k.
 After the first push of a layout (and on demand) the engines' ``/weights_checker``
 checksums are compared with the senders' own: a mismatch stops every rank with
@@ -35,7 +36,7 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -163,6 +164,7 @@ class DistributedWeightSync:
         self.links: list[EngineLink] = []
         self.is_sender = False
         self.sender_index = 0
+        self.num_senders = 0
         self.needs_verify = verify
         self.last_stats: list[_SenderStats] = []
         self._began: list[int] = []
@@ -192,6 +194,7 @@ class DistributedWeightSync:
             raise WeightSyncError(layout)
         senders = [r for r, s in enumerate(self.world.gather(bool(is_sender))) if s]
         self.is_sender, self.sender_index = is_sender, senders.index(self.world.rank) if is_sender else 0
+        self.num_senders = len(senders)
         self.links = [EngineLink(i, url, tp, holding) for i, (url, tp, holding) in enumerate(layout)]
         if self.master_address is None:  # each sender hosts its groups' store where the engines can dial it
             self.master_address = address_towards(httpx.URL(layout[0][0]).host) if layout else "127.0.0.1"
@@ -322,15 +325,20 @@ class DistributedWeightSync:
         start = time.perf_counter()
         verify = verify or self.needs_verify
         stats = _SenderStats()
+        opening = None
         try:  # whatever fails between begin and end, the sessions end: SGLang refuses a second begin
-            with timed(stats.phases, "begin"):
-                live = self.world.bcast(self._begin_sessions() if self.world.rank == 0 else None)
+            live, opening = self._open_sessions(stats)
+            # A lone sender's last bucket carries the version; with several, a small last call after all of
+            # them does (the version must follow every sender's weights).
+            carry = version if self.num_senders == 1 and self.world.rank == 0 else None
             with timed(stats.phases, "stream"):
-                last = self._stream(owned, live, stats, verify)
+                last = self._stream(owned, live, stats, verify, carry)
             stats.seconds = time.perf_counter() - start
             everyone: list[_SenderStats] = self.world.gather(stats)
             verdict = self._finish(last, version, everyone, verify) if self.world.rank == 0 else None
         finally:
+            if opening is not None:  # sessions still opening when the export failed: end them once open
+                _settle(opening)
             self._end_sessions()
         verdict = self.world.bcast(verdict)
         if isinstance(verdict, str):
@@ -338,6 +346,24 @@ class DistributedWeightSync:
         self.needs_verify = self.needs_verify and not verify
         self.last_stats = everyone
         return {} if verdict is None else dict(verdict, **{"weight_sync/seconds": time.perf_counter() - start})
+
+    def _open_sessions(self, stats: _SenderStats) -> tuple[Callable[[], list[int]], Future | None]:
+        """Open every engine's update session; returns a function giving the live engines' indices, and the
+        pending opening if any. A lone process opens them on the send thread while its first bucket is
+        exported and flattened (a few ms of round trips off every push). With other ranks, every rank learns
+        the live engines before its export: the export runs collectives (TP gathers) with ranks that may
+        send nothing, so a broadcast placed after a rank's first bucket could wait on a rank that is
+        waiting in a gather for it."""
+        if self.world.size > 1:
+            with timed(stats.phases, "begin"):
+                live = self.world.bcast(self._begin_sessions() if self.world.rank == 0 else None)
+            return (lambda: live), None
+        opening = self.sender.submit(self._begin_sessions)
+
+        def live() -> list[int]:
+            with timed(stats.phases, "begin"):  # only what the opening was not hidden behind
+                return opening.result()
+        return live, opening
 
     def _begin_sessions(self) -> list[int]:
         """(rank 0) Indices of the engines whose update session opened (failed ones wait for ``reconnect``);
@@ -355,31 +381,44 @@ class DistributedWeightSync:
         self._began = live
         return live
 
-    def _stream(self, owned, live: list[int], stats: _SenderStats, verify: bool) -> Flat | None:
-        """Send every bucket; rank 0 returns the version-carrying last call's bucket: its smallest tensor
-        outside any loader group, sent once more (it must carry a tensor, and a small one makes the call
-        cost a round trip and the engines' last loads, not a whole bucket's receive and load in series).
+    def _stream(self, owned, live: Callable[[], list[int]], stats: _SenderStats, verify: bool,
+                carry: int | None) -> Flat | None:
+        """Send every bucket. ``carry``: the version, which rides on the last bucket (a lone sender);
+        None: rank 0 returns the version-carrying last call's bucket, its smallest tensor outside any loader
+        group sent once more (it must carry a tensor, and a small one makes the call cost a round trip and
+        the engines' last loads, not a whole bucket's receive and load in series).
 
         Pipelined: bucket k+1 is flattened into the other send buffer while bucket k is on the wire
-        (``_send_to_engines`` in the send thread), so a push costs the broadcasts plus one flatten."""
+        (``_send_to_engines`` in the send thread), so a push costs the broadcasts plus one flatten. The next
+        bucket is taken from the export before bucket k is sent, to know whether k is the last."""
         final: tuple[str, torch.Tensor] | None = None
         inflight = None
+        engines: list[int] | None = None
         streams: dict[EngineHolding, StreamingChecksums] = {}  # fused parameters hashed across buckets
+        buckets = _buckets(owned, self.chunk_bytes)
         try:
-            for k, bucket in enumerate(_buckets(owned, self.chunk_bytes)):
+            k, bucket = 0, next(buckets, None)
+            while bucket is not None:
+                following = next(buckets, None)
                 stats.owned += sum(t.numel() * t.element_size() for _, t in bucket)
                 if verify:
                     for holding in {l.holding for l in self.links if not l.holding.unverifiable}:
                         streams.setdefault(holding, StreamingChecksums(holding)).update(bucket)
-                if self.world.rank == 0:
+                if self.world.rank == 0 and carry is None:
                     final = smallest_alone(bucket, final)
                 flat = self._flatten(bucket, k, stats)  # overlaps the send of bucket k-1
+                if engines is None:
+                    engines = live()
                 if inflight is not None:
                     self._wait_send(inflight, stats)
-                inflight = self.sender.submit(self._send_to_engines, flat, live, k, stats, version=None)
+                inflight = self.sender.submit(self._send_to_engines, flat, engines, k, stats,
+                                              version=carry if following is None else None)
+                k, bucket = k + 1, following
         finally:  # an export that fails mid-push: the bucket on the wire completes before the sessions end
             if inflight is not None:
                 self._wait_send(inflight, stats)
+        if engines is None:
+            live()
         stats.checksums = {holding: stream.result() for holding, stream in streams.items()}
         return None if final is None else self._flatten([final], 0, stats)
 
@@ -439,11 +478,13 @@ class DistributedWeightSync:
         for link in self.links:
             if link.failed is None and link.url in failed:
                 link.failed = failed[link.url]
-        assert last, "rank 0 owns tensors of every export (the embedding)"
+        if not everyone[0].owned:  # an error verdict, not a raise: every rank must reach the broadcast
+            return f"weight sync of version {version}: rank 0 exported no tensors (it owns the embedding)"
         stats0 = _SenderStats()
-        live = [l.index for l in self.links if l.failed is None]
-        with timed(everyone[0].phases, "last_bucket"):
-            self._send_to_engines(last, live, 0, stats0, version=version)
+        if last is not None:  # several senders: the version follows all of them
+            live = [l.index for l in self.links if l.failed is None]
+            with timed(everyone[0].phases, "last_bucket"):
+                self._send_to_engines(last, live, 0, stats0, version=version)
         for link in self.links:
             if link.url in stats0.failed and link.failed is None:
                 link.failed = stats0.failed[link.url]
@@ -564,6 +605,14 @@ def check_engine(http: httpx.Client, url: str, expected: dict[str, str], *, stri
     if not compared:
         logger.warning("%s: no tensor named alike on both sides; weights not verified", url)
     return compared
+
+
+def _settle(future: Future) -> None:
+    """Wait for ``future`` without raising (its failure is reported where its result is used)."""
+    try:
+        future.result()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:

@@ -285,15 +285,43 @@ def test_pipelined_buckets_deliver_every_tensor_in_order(engines, tiny_dirs):  #
             updates = [b for p, b in calls if p == "/update_weights_from_distributed"]
             for url in engines.urls:
                 group = [b for b in updates if b["group_name"].endswith(f"_e{engines.urls.index(url)}_g1")]
-                assert len(group) == len(plan) + 1 and len(plan) > 6
-                assert [b["names"] for b in group[:-1]] == [[pushed[i][0] for i in bucket] for bucket in plan]
-                assert [b.get("weight_version") for b in group] == [None] * len(plan) + [str(version)]
-                assert len(group[-1]["names"]) == 1  # the version rides on one small tensor sent again
+                assert len(group) == len(plan) and len(plan) > 6  # no extra call: a lone sender's last
+                assert [b["names"] for b in group] == [[pushed[i][0] for i in bucket] for bucket in plan]
+                # bucket carries the version (and the cache flush), after every other bucket was sent
+                assert [b.get("weight_version") for b in group] == [None] * (len(plan) - 1) + [str(version)]
+                assert [b["flush_cache"] for b in group] == [False] * (len(plan) - 1) + [True]
                 sums = httpx.post(url + "/weights_checker", json={"action": "checksum"},
                                   headers=HEADERS).json()["ranks"][0]["checksums"]
                 for held, parts in fused_reference(pushed).items():
                     want = hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in parts)).digest()[:8]
                     assert sums[held] == want.hex(), held
             assert versions(engines.urls) == [str(version)] * 2
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("fail_after", [0, 40])
+def test_export_failing_mid_push_ends_the_sessions(engines, tiny_dirs, fail_after):  # noqa: F811
+    """The export raises before its first bucket (the sessions may still be opening on the send thread)
+    or after several buckets: the error reaches the caller, every session that opened is ended (SGLang
+    refuses a second begin while one is open) and the engines keep their version; the next push lands."""
+    named = other_tensors(tiny_dirs)
+    sync, calls = make_sync(bucket_bytes=1 << 20, pipeline_bytes=6_000, verify=False)
+    sync.connect(engines.urls, is_sender=True)
+    before = versions(engines.urls)
+
+    def failing():
+        yield from named[:fail_after]
+        raise RuntimeError("export broke")
+    try:
+        with pytest.raises(RuntimeError, match="export broke"):
+            sync.push(failing(), 31)
+        paths = [p for p, _ in calls]
+        assert paths.count("/begin_weight_update") == paths.count("/end_weight_update") == 2
+        assert (paths.count("/update_weights_from_distributed") > 0) == (fail_after > 0)
+        assert all("weight_version" not in b for p, b in calls if p == "/update_weights_from_distributed")
+        assert versions(engines.urls) == before
+        sync.push(named, 32)
+        assert versions(engines.urls) == ["32", "32"]
     finally:
         sync.close()
