@@ -171,7 +171,10 @@ def write_tables(rows: list[VariantRow], out: pathlib.Path, *, threshold: float)
 
 
 _PAIRED = (("Δ held-out pass@1", "heldout_pass_at_1"), ("Δ held-out gain", "heldout_gain"),
-           ("Δ final train reward", "final_reward"), ("Δ train reward gain", "reward_gain"))
+           ("Δ final train reward", "final_reward"), ("Δ train reward gain", "reward_gain"),
+           ("Δ adaptation steps", "adaptation_steps"))
+_ONLINE_ONLY = ("adaptation_steps",)
+"""Paired columns shown in results.md only when some pair has them (online arms against an online reference)."""
 
 
 def paired(row: VariantRow, ref: VariantRow, key: str) -> tuple[float, float, float, int]:
@@ -188,12 +191,15 @@ def paired_table(rows: list[VariantRow]) -> list[str]:
     if len(rows) < 2:
         return []
     ref = rows[0]
+    columns = [(c, k) for c, k in _PAIRED
+               if k not in _ONLINE_ONLY or any(paired(row, ref, k)[3] for row in rows[1:])]
     lines = ["", f"Paired against `{ref.variant}` (variant minus {ref.variant} on the same warm-up and RL seed, mean "
              "± 95 % CI half-width; an interval that excludes 0 is a difference the pairs support).", "",
-             "| variant | pairs | " + " | ".join(c for c, _ in _PAIRED) + " |", "|" + "---|" * (2 + len(_PAIRED))]
+             "| variant | pairs | " + " | ".join(c for c, _ in columns) + " |", "|" + "---|" * (2 + len(columns))]
     for row in rows[1:]:
-        cells = [paired(row, ref, k) for _, k in _PAIRED]
-        lines.append(f"| {row.variant} | {max(c[3] for c in cells)} | " + " | ".join(_fmt(*c) for c in cells) + " |")
+        cells = [paired(row, ref, k) + (k,) for _, k in columns]
+        lines.append(f"| {row.variant} | {max(c[3] for c in cells)} | "
+                     + " | ".join(_fmt(*c[:4], digits=1 if c[4] == "adaptation_steps" else 3) for c in cells) + " |")
     return lines
 
 

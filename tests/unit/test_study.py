@@ -285,7 +285,24 @@ def test_paired_table_matches_runs_by_warmup_and_rl_seed():
     assert ref.agg("heldout_pass_at_1")[2] - ref.agg("heldout_pass_at_1")[1] > 10 * (high - low)
     table = "\n".join(paired_table([ref, other]))
     assert "| grpo | 4 | " + f"{mean:.3f} ± {(high - low) / 2:.3f}" in table
+    assert "adaptation" not in table  # no online pair: no column of n/a
     assert paired_table([ref]) == []
+
+
+def test_paired_table_compares_adaptation_between_online_arms():
+    """Online arms against an online reference: the steps to recover after each shift, pair by pair."""
+    from sao_megatron.algorithms.stats import t_interval
+    from sao_megatron.study.summary import VariantRow, paired_table
+
+    pairs = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    ref = VariantRow("sao_online", "32x1", "", seeds=pairs,
+                     runs=[{"heldout_pass_at_1": 0.7, "adaptation_steps": 10.0 + w + r} for w, r in pairs])
+    other = VariantRow("grpo_online", "4x8", "", seeds=pairs[::-1],
+                       runs=[{"heldout_pass_at_1": 0.7, "adaptation_steps": 14.0 + 3 * w + r} for w, r in pairs[::-1]])
+    mean, low, high = t_interval([4.0 + 2 * w for w, _ in pairs])
+    lines = paired_table([ref, other])
+    assert "Δ adaptation steps" in lines[3]
+    assert lines[-1].endswith(f"| {mean:.1f} ± {(high - low) / 2:.1f} |")
 
 
 def test_heldout_curve_starts_at_the_starting_weights():
