@@ -57,17 +57,25 @@ def steps_to_threshold(steps: Sequence[int], values: Sequence[float], threshold:
 
 def adaptation_steps(steps: Sequence[int], values: Sequence[float], phases: Sequence[int], *,
                      recover: float = 0.9, window: int = 5) -> list[int | None]:
-    """Per phase change: steps until the trailing mean recovers ``recover`` x the pre-shift reward.
+    """Per phase change: steps until the trailing mean recovers ``recover`` x the level to recover.
 
-    ``phases[i]`` is the phase of point i. The pre-shift reward is the mean of the last ``window``
-    points of the previous phase; None when a phase never recovers within the run.
+    ``phases[i]`` is the phase of point i. A phase ends at the mean of its last ``window`` points; the
+    level to recover after a change is the highest level any phase before it ended at. So a shift back
+    to a target the run had learnt must climb back to where it was, not to the level of an intervening
+    phase it never learnt (which it would "recover" at once). None when a phase never recovers.
     """
     out: list[int | None] = []
-    changes = [i for i in range(1, len(phases)) if phases[i] != phases[i - 1]]
-    for c in changes:
+    ended: list[float] = []
+    for c, end in phase_changes(phases):
         before = values[max(0, c - window):c]
-        target = recover * sum(before) / len(before)
-        end = next((i for i in range(c + 1, len(phases)) if phases[i] != phases[c]), len(phases))
-        hit = steps_to_threshold(steps[c:end], values[c:end], target, window)
+        ended.append(sum(before) / len(before))
+        hit = steps_to_threshold(steps[c:end], values[c:end], recover * max(ended), window)
         out.append(None if hit is None else hit - int(steps[c]))
     return out
+
+
+def phase_changes(phases: Sequence[int]) -> list[tuple[int, int]]:
+    """(first index of the new phase, index where it ends) per phase change."""
+    changes = [i for i in range(1, len(phases)) if phases[i] != phases[i - 1]]
+    return [(c, next((i for i in range(c + 1, len(phases)) if phases[i] != phases[c]), len(phases)))
+            for c in changes]

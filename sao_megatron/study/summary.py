@@ -6,8 +6,8 @@ collapse (``actor/entropy`` over the last 10 % / first 10 % of steps), DIS maske
 mean), critic explained variance (last 20 %), the step sizes (run means of the per-token advantage
 RMS ``sqrt(advantages/mean² + advantages/std²)``, of ``actor/grad_norm`` before clipping and of
 ``actor/update_norm``, the parameter change of a batch's optimizer steps), staleness (run mean of
-``train/staleness_mean``), and for online runs the steps to recover 90 % of the
-pre-shift reward after each phase change; the gains during RL (held-out pass@1 of the last minus the
+``train/staleness_mean``), and for online runs the steps after each phase change until the trailing
+reward is back at 90 % of the highest level an earlier phase ended at; the gains during RL (held-out pass@1 of the last minus the
 first evaluation, or of the starting weights with ``eval.before_train``; training reward of the last
 minus the first 10 % of steps). Per variant: mean
 with a Student-t 95 % CI over runs.
@@ -25,7 +25,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from sao_megatron.study.spec import Plan, PlannedRun
-from sao_megatron.algorithms.stats import adaptation_steps, steps_to_threshold, t_interval
+from sao_megatron.algorithms.stats import adaptation_steps, phase_changes, steps_to_threshold, t_interval
 
 RUN_KEYS = ("heldout_pass_at_1", "heldout_gain", "final_reward", "reward_gain", "steps_to_threshold",
             "entropy_ratio", "dis_masked_low", "dis_masked_high", "critic_explained_var", "adaptation_steps",
@@ -77,10 +77,12 @@ def run_stats(records: list[dict], *, threshold: float, online: bool) -> dict[st
            "staleness": _mean(_series(records, "train/staleness_mean")[1])}
     if online:
         phases = [int(r.get("rollout/phase", 0)) for r in records if isinstance(r.get("reward/mean"), (int, float))]
-        adapt = adaptation_steps(steps, reward, phases) if len(phases) == len(reward) else []
-        # A phase that never recovers counts as the rest of the run (a lower bound on its true cost).
-        vals = [a if a is not None else (steps[-1] - steps[0]) for a in adapt]
-        out["adaptation_steps"] = _mean([float(v) for v in vals])
+        if len(phases) == len(reward):
+            adapt = adaptation_steps(steps, reward, phases)
+            # A phase that never recovers counts as its own length (a lower bound on its true cost).
+            vals = [a if a is not None else steps[end - 1] - steps[c] + 1
+                    for a, (c, end) in zip(adapt, phase_changes(phases))]
+            out["adaptation_steps"] = _mean([float(v) for v in vals])
     return out
 
 

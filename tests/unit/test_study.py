@@ -164,6 +164,9 @@ def test_run_stats_by_hand():
     online = run_stats(_records([1.0] * 10 + [0.0, 0.0, 1.0] + [1.0] * 7, phases=[0] * 10 + [1] * 10),
                        threshold=0.5, online=True)
     assert online["adaptation_steps"] == 6  # trailing 5-mean >= 0.9 first at index 16 = 6 steps after the shift
+    # a phase that never recovers counts as its own length (here the last 8 of 20 steps), not the run's
+    never = run_stats(_records([1.0] * 12 + [0.0] * 8, phases=[0] * 12 + [1] * 8), threshold=0.5, online=True)
+    assert never["adaptation_steps"] == 8
 
 
 def _fake_cli(tmp_path):

@@ -55,3 +55,14 @@ def test_adaptation_steps_per_phase_change():
     phases = [0] * 10 + [1] * 10 + [2] * 10
     # phase 1: pre-shift mean 1.0 -> target 0.9; trailing 1-point value >= 0.9 first at index 13.
     assert adaptation_steps(steps, vals, phases, window=1) == [3, None]
+
+
+def test_adaptation_back_to_a_learnt_target_climbs_to_its_level():
+    """A phase the run never learns (reward 0.2), then the first target again: recovery is measured
+    against the 1.0 the first phase ended at, not against the 0.2 just before the change (which every
+    step after it already 'recovers')."""
+    steps = list(range(30))
+    vals = [1.0] * 10 + [0.2] * 10 + [0.3, 0.5, 0.7, 0.85, 0.95, 1.0, 1.0, 1.0, 1.0, 1.0]
+    phases = [0] * 10 + [1] * 10 + [2] * 10
+    # phase 1 never reaches 0.9; phase 2 first reaches 0.9 x 1.0 at index 24 (0.95), 4 steps in
+    assert adaptation_steps(steps, vals, phases, window=1) == [None, 4]
