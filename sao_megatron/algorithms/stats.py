@@ -48,11 +48,16 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float
 def steps_to_threshold(steps: Sequence[int], values: Sequence[float], threshold: float,
                        window: int = 5) -> int | None:
     """First step at which the trailing ``window``-point mean of ``values`` reaches ``threshold``."""
-    for i in range(len(values)):
-        lo = max(0, i - window + 1)
-        if sum(values[lo:i + 1]) / (i + 1 - lo) >= threshold:
-            return int(steps[i])
-    return None
+    return next((int(s) for s, m in zip(steps, trailing_mean(values, window)) if m >= threshold), None)
+
+
+def trailing_mean(values: Sequence[float], window: int) -> list[float]:
+    """Point i: the mean of values[i - window + 1 .. i] (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def adaptation_steps(steps: Sequence[int], values: Sequence[float], phases: Sequence[int], *,

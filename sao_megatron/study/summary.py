@@ -25,7 +25,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from sao_megatron.study.spec import Plan, PlannedRun
-from sao_megatron.algorithms.stats import adaptation_steps, phase_changes, steps_to_threshold, t_interval
+from sao_megatron.algorithms.stats import adaptation_steps, phase_changes, steps_to_threshold, t_interval, trailing_mean
 
 RUN_KEYS = ("heldout_pass_at_1", "heldout_gain", "final_reward", "reward_gain", "steps_to_threshold",
             "entropy_ratio", "dis_masked_low", "dis_masked_high", "critic_explained_var", "adaptation_steps",
@@ -216,8 +216,32 @@ def _curve(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
+SMOOTH_STEPS = 10
+"""The plotted training reward is the trailing mean over this many steps: one step's 32 samples score
+with a standard error of about 0.08, which hides the differences between arms."""
+
+
+def mean_curves(plan: Plan, key: str) -> dict[str, tuple[list[int], list[int], list[float], int]]:
+    """Per variant: ``key``'s mean over its runs, against RL steps taken and against trained samples
+    (steps x the arm's batch), cut to its shortest run; and how many runs it averages. A point at
+    step -1 (the starting weights' held-out score) is drawn at 0 steps and 0 samples."""
+    out = {}
+    for variant in dict.fromkeys(r.variant for r in plan.runs):
+        runs = [r for r in plan.runs if r.variant == variant]
+        curves = [(c, r.batch_size) for c, r in ((_curve(_read(r.run_dir), key), r) for r in runs) if c[1]]
+        if not curves:
+            continue
+        n = min(len(ys) for (_, ys), _ in curves)
+        (xs, _), batch = curves[0]
+        mean = [sum(ys[i] for (_, ys), _ in curves) / len(curves) for i in range(n)]
+        out[variant] = ([s + 1 for s in xs[:n]], [(s + 1) * batch for s in xs[:n]], mean, len(curves))
+    return out
+
+
 def write_plots(plan: Plan, out: pathlib.Path) -> list[pathlib.Path]:
-    """Training reward vs samples and held-out pass@1 vs samples, mean over seeds per variant."""
+    """Training reward and held-out pass@1, mean over seeds per variant, each against trained samples
+    (sample efficiency; a log axis past one batch, since the equal-steps control trains on 8x the samples
+    of the others) beside the same curves against RL steps (step efficiency)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,21 +249,24 @@ def write_plots(plan: Plan, out: pathlib.Path) -> list[pathlib.Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for key, name, ylabel in (("reward/mean", "training_reward.png", "training reward"),
-                              ("eval/pass_at_1", "heldout_pass_at_1.png", "held-out pass@1")):
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for variant in dict.fromkeys(r.variant for r in plan.runs):
-            curves = [_curve(_read(r.run_dir), key) for r in plan.runs if r.variant == variant]
-            curves = [(xs, ys, r.batch_size) for (xs, ys), r in zip(curves, [r for r in plan.runs if r.variant == variant])
-                      if ys]
-            if not curves:
-                continue
-            n = min(len(ys) for _, ys, _ in curves)
-            xs, _, batch = curves[0]
-            mean = [sum(ys[i] for _, ys, _ in curves) / len(curves) for i in range(n)]
-            ax.plot([(s + 1) * batch for s in xs[:n]], mean, label=f"{variant} ({len(curves)} seeds)")
-        ax.set(xlabel="trained samples", ylabel=ylabel, title=f"{ylabel} (mean over seeds)")
-        ax.legend(fontsize=7)
+    smallest_batch = min((r.batch_size for r in plan.runs), default=1)
+    colors = plt.get_cmap("tab20").colors  # 18 arms in the full matrix: tab10 would repeat its colours
+    for key, name, ylabel, window in (("reward/mean", "training_reward.png", "training reward", SMOOTH_STEPS),
+                                      ("eval/pass_at_1", "heldout_pass_at_1.png", "held-out pass@1", 1)):
+        fig, (by_samples, by_steps) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+        axis = f"{ylabel} (trailing mean of {window} steps)" if window > 1 else ylabel
+        for i, (variant, (steps, samples, mean, runs)) in enumerate(mean_curves(plan, key).items()):
+            mean = trailing_mean(mean, window)
+            style = dict(color=colors[(2 * i) % 20 + (i // 10) % 2], linestyle="-" if i < 10 else "--",
+                         label=f"{variant} ({runs} seeds)")
+            by_samples.plot(samples, mean, **style)
+            by_steps.plot(steps, mean, **style)
+        by_samples.set_xscale("symlog", linthresh=smallest_batch)
+        by_samples.set(xlabel="trained samples (log past one batch)", ylabel=axis,
+                       title=f"{ylabel} against samples (mean over seeds)")
+        by_steps.set(xlabel="RL steps (batches trained on)", title=f"{ylabel} against steps")
+        if by_steps.lines:
+            by_steps.legend(fontsize=7, loc="lower right")
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)

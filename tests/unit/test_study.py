@@ -370,3 +370,32 @@ def test_an_archived_study_continues_on_another_machine(tmp_path, monkeypatch, c
     assert main([a if a != STUDY else str(changed) for a in args] + ["--out", str(tmp_path / "c")]) == 1
     out = capsys.readouterr().out
     assert "restored 0 warm-up(s) and 0 run(s)" in out and "FAILED warm-up w0" in out
+
+
+def test_plot_curves_by_samples_and_by_steps(tmp_path):
+    """Each arm's mean curve over its runs, against RL steps and against steps x its own batch, cut to
+    its shortest run; a 256-sample arm reaches SAO's 200-step sample count in 25 steps."""
+    from types import SimpleNamespace
+
+    from sao_megatron.study.spec import PlannedRun
+    from sao_megatron.study.summary import mean_curves, write_plots
+
+    def run(variant, r, batch, rewards, start):
+        d = tmp_path / variant / f"r{r}"
+        d.mkdir(parents=True)
+        recs = _records(rewards, evals={len(rewards) - 1: rewards[-1]})
+        recs[0]["eval_start/pass_at_1"] = start
+        (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+        return PlannedRun(variant, 0, r, d, [], len(rewards), batch, 1, False)
+
+    runs = [run("sao", 0, 32, [0.1, 0.3, 0.5, 0.7], 0.2), run("sao", 1, 32, [0.3, 0.5, 0.7, 0.9], 0.4),
+            run("wide", 0, 256, [0.2, 0.6, 0.4], 0.1)]
+    plan = SimpleNamespace(runs=runs)
+    reward = mean_curves(plan, "reward/mean")
+    assert reward["sao"][:2] == ([1, 2, 3, 4], [32, 64, 96, 128])
+    assert reward["sao"][2] == pytest.approx([0.2, 0.4, 0.6, 0.8]) and reward["sao"][3] == 2
+    assert reward["wide"][:3] == ([1, 2, 3], [256, 512, 768], [0.2, 0.6, 0.4])
+    held = mean_curves(plan, "eval/pass_at_1")
+    assert held["sao"][:2] == ([0, 4], [0, 128]) and held["sao"][2] == pytest.approx([0.3, 0.8])
+    assert held["wide"][:3] == ([0, 3], [0, 768], [0.1, 0.4])
+    assert [p.name for p in write_plots(plan, tmp_path / "plots")] == ["training_reward.png", "heldout_pass_at_1.png"]

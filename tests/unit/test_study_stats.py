@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from sao_megatron.algorithms.stats import adaptation_steps, steps_to_threshold, t_interval, wilson_interval
+from sao_megatron.algorithms.stats import (adaptation_steps, steps_to_threshold, t_interval, trailing_mean,
+                                           wilson_interval)
 
 pytestmark = pytest.mark.unit
 
@@ -66,3 +67,12 @@ def test_adaptation_back_to_a_learnt_target_climbs_to_its_level():
     phases = [0] * 10 + [1] * 10 + [2] * 10
     # phase 1 never reaches 0.9; phase 2 first reaches 0.9 x 1.0 at index 24 (0.95), 4 steps in
     assert adaptation_steps(steps, vals, phases, window=1) == [None, 4]
+
+
+@pytest.mark.parametrize("window", [1, 3, 10])
+def test_trailing_mean_matches_a_slice_per_point(window):
+    rng = random.Random(7)
+    values = [rng.uniform(-1, 1) for _ in range(25)]
+    slow = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]
+    assert trailing_mean(values, window) == pytest.approx(slow)
