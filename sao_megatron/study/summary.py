@@ -258,7 +258,7 @@ def write_plots(plan: Plan, out: pathlib.Path) -> list[pathlib.Path]:
         for i, (variant, (steps, samples, mean, runs)) in enumerate(mean_curves(plan, key).items()):
             mean = trailing_mean(mean, window)
             style = dict(color=colors[(2 * i) % 20 + (i // 10) % 2], linestyle="-" if i < 10 else "--",
-                         label=f"{variant} ({runs} seeds)")
+                         label=f"{variant} ({runs} seeds)", marker="o" if len(mean) <= 12 else None, markersize=4)
             by_samples.plot(samples, mean, **style)
             by_steps.plot(steps, mean, **style)
         by_samples.set_xscale("symlog", linthresh=smallest_batch)
