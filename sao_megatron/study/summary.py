@@ -266,9 +266,9 @@ def write_plots(plan: Plan, out: pathlib.Path) -> list[pathlib.Path]:
                        title=f"{ylabel} against samples (mean over seeds)")
         by_steps.set(xlabel="RL steps (batches trained on)", title=f"{ylabel} against steps")
         if by_steps.lines:
-            by_steps.legend(fontsize=7, loc="lower right")
+            by_steps.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves
         fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
+        fig.savefig(out / name, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(out / name)
     return written
