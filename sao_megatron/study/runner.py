@@ -114,14 +114,16 @@ def _run_job(plan: Plan, run: PlannedRun) -> _Job:
 def execute(plan: Plan, jobs: int, *, on_event: Callable[[str], None] = log.info, poll_s: float = 2.0,
             on_done: Callable[[PlannedRun | PlannedWarmup, dict], None] | None = None) -> list[PlannedRun | PlannedWarmup]:
     """Run every unfinished warm-up, then every unfinished RL run whose warm-up finished, ``jobs`` at a
-    time; returns what failed (an RL run whose warm-up failed counts as failed, not started).
+    time, pair by pair (every arm's run of one (warm-up, RL seed) before the next pair's), so a study
+    stopped part-way has whole pairs to compare; returns what failed (an RL run whose warm-up failed
+    counts as failed, not started).
     ``on_done(item, done)``: called as each one finishes (``done``: its wall and CPU seconds)."""
     env = _child_env(jobs)
     on_done = on_done or (lambda item, done: None)
     failed = _run_jobs([_warmup_job(plan, w) for w in plan.warmups if not is_done(w)], jobs, env, on_event, poll_s,
                        on_done)
     bad = {w.index for w in failed}
-    pending = [r for r in plan.runs if not is_done(r)]
+    pending = sorted((r for r in plan.runs if not is_done(r)), key=lambda r: r.pair)  # stable: arm order within a pair
     failed += [r for r in pending if r.warmup_index in bad]
     jobs_rl = [_run_job(plan, r) for r in pending if r.warmup_index not in bad]
     return failed + _run_jobs(jobs_rl, jobs, env, on_event, poll_s, on_done)

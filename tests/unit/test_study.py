@@ -223,6 +223,23 @@ def test_execute_warms_up_first_is_resumable_and_tables_aggregate_over_pairs(tmp
     assert "| sao | 32x1 | 3 | 0.500 ± 1.242" in md.read_text()
 
 
+def test_rl_runs_start_pair_by_pair_so_a_stopped_study_has_whole_pairs(tmp_path, monkeypatch):
+    """The plan lists runs arm by arm; they start pair by pair, in the arms' order within a pair, and a
+    run already done is not started again."""
+    spec, base = load_study(STUDY)
+    spec.samples_per_run = 64
+    plan = build_plan(spec, base, tmp_path / "out", variants=["sao", "grpo"], seeds=3, warmup_seeds=1)
+    assert [(r.variant, r.pair) for r in plan.runs][:2] == [("sao", (0, 0)), ("sao", (0, 1))]
+    _fake_commands(monkeypatch, _fake_cli(tmp_path))
+    (done := next(r for r in plan.runs if r.variant == "grpo" and r.pair == (0, 0))).run_dir.mkdir(parents=True)
+    (done.run_dir / runner.DONE_FILE).write_text("{}")
+    events = []
+    runner.execute(plan, 1, on_event=events.append, poll_s=0.05)
+    started = [m.split(":")[0] for m in events if m.startswith("start") and "warm-up" not in m]
+    assert started == ["start sao w0 r0", "start sao w0 r1", "start grpo w0 r1", "start sao w0 r2",
+                       "start grpo w0 r2"]
+
+
 def test_a_finished_run_records_the_cpu_time_of_its_process_tree(tmp_path, monkeypatch):
     """study_done.json's cpu_s is the run's CPU, including a child process it waited for (the engine):
     at least what the two processes measured of themselves, and not the study's own."""
