@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 RECORD_KEYS = ("step", "version", "reward/mean", "eval/pass_at_1", "eval_start/pass_at_1", "actor/entropy",
                "actor/dis_masked_low_frac", "actor/dis_masked_high_frac", "critic/explained_var",
                "advantages/mean", "advantages/std", "actor/grad_norm", "actor/update_norm",
-               "train/staleness_mean", "rollout/phase", "timing/step_s", "timing/wait_batch_s", "timing/train_s")
+               "train/staleness_mean", "rollout/phase", "timing/step_s", "timing/wait_batch_s", "timing/train_s",
+               "actor/clip_frac", "actor/kl_k3")
 """What ``study.summary`` reads (its tables, pairs and plots) plus the step timings of the Speed section."""
 
 

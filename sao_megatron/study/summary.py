@@ -29,7 +29,7 @@ from sao_megatron.algorithms.stats import adaptation_steps, phase_changes, steps
 
 RUN_KEYS = ("heldout_pass_at_1", "heldout_gain", "final_reward", "reward_gain", "steps_to_threshold",
             "entropy_ratio", "dis_masked_low", "dis_masked_high", "critic_explained_var", "adaptation_steps",
-            "advantage_rms", "grad_norm", "update_norm", "staleness")
+            "advantage_rms", "grad_norm", "grad_norm_max", "update_norm", "staleness", "clip_frac", "kl_k3")
 
 
 def _read(run_dir: pathlib.Path) -> list[dict]:
@@ -73,8 +73,11 @@ def run_stats(records: list[dict], *, threshold: float, online: bool) -> dict[st
            "adaptation_steps": math.nan,
            "advantage_rms": advantage_rms(records),
            "grad_norm": _mean(_series(records, "actor/grad_norm")[1]),
+           "grad_norm_max": max(_series(records, "actor/grad_norm")[1], default=math.nan),
            "update_norm": _mean(_series(records, "actor/update_norm")[1]),
-           "staleness": _mean(_series(records, "train/staleness_mean")[1])}
+           "staleness": _mean(_series(records, "train/staleness_mean")[1]),
+           "clip_frac": _mean(_series(records, "actor/clip_frac")[1]),
+           "kl_k3": _mean(_series(records, "actor/kl_k3")[1])}
     if online:
         phases = [int(r.get("rollout/phase", 0)) for r in records if isinstance(r.get("reward/mean"), (int, float))]
         if len(phases) == len(reward):
@@ -140,8 +143,9 @@ _COLUMNS = (("held-out pass@1", "heldout_pass_at_1"), ("held-out gain", "heldout
             ("steps to threshold", "steps_to_threshold"), ("entropy last/first", "entropy_ratio"),
             ("DIS masked low", "dis_masked_low"), ("DIS masked high", "dis_masked_high"),
             ("critic expl. var", "critic_explained_var"), ("adaptation steps", "adaptation_steps"),
-            ("advantage RMS", "advantage_rms"), ("grad norm", "grad_norm"), ("update norm", "update_norm"),
-            ("staleness", "staleness"))
+            ("advantage RMS", "advantage_rms"), ("grad norm", "grad_norm"), ("grad norm max", "grad_norm_max"),
+            ("update norm", "update_norm"), ("staleness", "staleness"), ("PPO clip frac", "clip_frac"),
+            ("KL to rollout (k3)", "kl_k3"))
 
 
 def write_tables(rows: list[VariantRow], out: pathlib.Path, *, threshold: float) -> tuple[pathlib.Path, pathlib.Path]:
@@ -151,7 +155,8 @@ def write_tables(rows: list[VariantRow], out: pathlib.Path, *, threshold: float)
              f"threshold': training reward {threshold:g}. n/a: no finished run has the metric.", "", head,
              "|" + "---|" * (3 + len(_COLUMNS))]
     for row in rows:
-        cells = [_fmt(*row.agg(k), digits=1 if k in ("steps_to_threshold", "adaptation_steps") else 4 if k == "update_norm" else 3)
+        cells = [_fmt(*row.agg(k), digits=1 if k in ("steps_to_threshold", "adaptation_steps")
+                      else 4 if k in ("update_norm", "kl_k3") else 3)
                  for _, k in _COLUMNS]
         lines.append(f"| {row.variant} | {row.shape} | {len(row.runs)} | " + " | ".join(cells) + " |")
     lines += paired_table(rows)

@@ -337,7 +337,8 @@ def test_heldout_curve_starts_at_the_starting_weights():
 
 def test_step_size_columns_by_hand():
     """Advantage RMS from the logged mean and population std (checked against the tokens themselves),
-    grad and update norms as run means, staleness as the run mean of the per-step mean."""
+    grad and update norms as run means (and the largest grad norm), staleness, PPO's clip fraction and
+    the k3 KL to the rollout policy as run means of the per-step values; NaN where a run logs none."""
     import torch
 
     from sao_megatron.algorithms.metrics import advantage_stats
@@ -346,14 +347,18 @@ def test_step_size_columns_by_hand():
     recs = []
     for i, adv in enumerate(steps):
         stats = {k: float(v) for k, v in advantage_stats(adv, torch.ones_like(adv)).items()}
-        recs.append({"step": i, "reward/mean": 0.1, **stats, "actor/grad_norm": 1.0 + i,
-                     "actor/update_norm": 0.01 * (i + 1), "train/staleness_mean": 0.5 * i})
+        recs.append({"step": i, "reward/mean": 0.1, **stats, "actor/grad_norm": 3.0 - 2 * i,
+                     "actor/update_norm": 0.01 * (i + 1), "train/staleness_mean": 0.5 * i,
+                     "actor/clip_frac": 0.1 * i, "actor/kl_k3": 0.002 + 0.004 * i})
     s = run_stats(recs, threshold=0.5, online=False)
     rms = [float(adv.pow(2).mean().sqrt()) for adv in steps]
     assert s["advantage_rms"] == pytest.approx(sum(rms) / 2)
-    assert s["grad_norm"] == pytest.approx(1.5) and s["update_norm"] == pytest.approx(0.015)
+    assert s["grad_norm"] == pytest.approx(2.0) and s["grad_norm_max"] == 3.0
+    assert s["update_norm"] == pytest.approx(0.015)
     assert s["staleness"] == pytest.approx(0.25)
-    assert math.isnan(run_stats(_records([0.1, 0.2]), threshold=0.5, online=False)["update_norm"])
+    assert s["clip_frac"] == pytest.approx(0.05) and s["kl_k3"] == pytest.approx(0.004)
+    bare = run_stats(_records([0.1, 0.2]), threshold=0.5, online=False)
+    assert all(math.isnan(bare[k]) for k in ("update_norm", "grad_norm_max", "clip_frac", "kl_k3"))
 
 
 def test_an_archived_study_continues_on_another_machine(tmp_path, monkeypatch, capsys):
