@@ -20,7 +20,8 @@ from sao_megatron.study.summary import collect, run_stats, write_tables
 pytestmark = pytest.mark.unit
 STUDY = "configs/studies/paper-miniature.yaml"
 FULL = ["sao", "grpo", "grpo_epochs", "grpo_dis", "grpo_dis_no_std", "grpo_dis_equal_diversity",
-        "grpo_dis_equal_diversity_steps", "sao_staleness2", "sao_staleness4", "sao_group_shaped", "running_mean",
+        "grpo_dis_equal_diversity_steps", "sao_staleness2", "sao_staleness4", "sao_group_shaped", "sao_fast_stale",
+        "sao_fast_stale_no_mask", "ppo_fast_stale", "running_mean",
         "running_mean_exact", "full_critic", "critic_k1", "no_value_pretrain", "gae_plain", "sao_online",
         "grpo_online"]
 
@@ -102,6 +103,16 @@ def test_arms_differ_from_their_reference_only_where_they_say(tmp_path):
         assert cfgs[v].scheduler.concurrency >= (eta + 1) * cfgs[v].scheduler.batch_size
         assert cfgs[v].algorithm == cfgs["sao"].algorithm and cfgs[v].critic == cfgs["sao"].critic
     assert cfgs["grpo"].algorithm.name == "grpo" and cfgs["grpo"].scheduler.batch_size == cfgs["sao"].scheduler.batch_size
+    # claim 4: the three fast-and-stale arms share lr and staleness and differ from each other only in the loss
+    fast = cfgs["sao_fast_stale"]
+    assert (fast.actor.optimizer.lr, fast.scheduler.max_staleness) == (2.5 * cfgs["sao"].actor.optimizer.lr, 4)
+    assert fast.algorithm == cfgs["sao"].algorithm and fast.critic == cfgs["sao"].critic
+    no_mask, ppo = cfgs["sao_fast_stale_no_mask"], cfgs["ppo_fast_stale"]
+    assert no_mask.algorithm.dis.eps_low == 1.0 and math.log1p(no_mask.algorithm.dis.eps_high) > 20  # never masks
+    assert dataclasses.replace(no_mask.algorithm, dis=fast.algorithm.dis) == fast.algorithm
+    assert ppo.algorithm.name == "ppo" and ppo.algorithm.gae == fast.algorithm.gae and ppo.critic == fast.critic
+    for c in (no_mask, ppo):
+        assert (c.actor, c.scheduler) == (fast.actor, fast.scheduler)
     assert all(c.eval.num_prompts == 512 and c.eval.before_train for c in cfgs.values())
 
 
