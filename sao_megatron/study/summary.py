@@ -29,7 +29,13 @@ from sao_megatron.algorithms.stats import adaptation_steps, phase_changes, steps
 
 RUN_KEYS = ("heldout_pass_at_1", "heldout_gain", "final_reward", "reward_gain", "steps_to_threshold",
             "entropy_ratio", "dis_masked_low", "dis_masked_high", "critic_explained_var", "adaptation_steps",
-            "advantage_rms", "grad_norm", "grad_norm_max", "update_norm", "staleness", "clip_frac", "kl_k3")
+            "advantage_rms", "grad_norm", "grad_norm_max", "update_norm", "staleness", "clip_frac", "kl_k3",
+            "reward_low")
+
+SMOOTH_STEPS = 10
+"""The training reward is smoothed as the trailing mean over this many steps (the plots, and the lowest
+training reward of a run): one step's 32 samples score with a standard error of about 0.08, which
+hides the differences between arms."""
 
 
 def _read(run_dir: pathlib.Path) -> list[dict]:
@@ -77,7 +83,9 @@ def run_stats(records: list[dict], *, threshold: float, online: bool) -> dict[st
            "update_norm": _mean(_series(records, "actor/update_norm")[1]),
            "staleness": _mean(_series(records, "train/staleness_mean")[1]),
            "clip_frac": _mean(_series(records, "actor/clip_frac")[1]),
-           "kl_k3": _mean(_series(records, "actor/kl_k3")[1])}
+           "kl_k3": _mean(_series(records, "actor/kl_k3")[1]),
+           # the worst stretch: the lowest trailing mean over SMOOTH_STEPS steps (full windows only)
+           "reward_low": min(trailing_mean(reward, SMOOTH_STEPS)[SMOOTH_STEPS - 1:], default=math.nan)}
     if online:
         phases = [int(r.get("rollout/phase", 0)) for r in records if isinstance(r.get("reward/mean"), (int, float))]
         if len(phases) == len(reward):
@@ -145,7 +153,7 @@ _COLUMNS = (("held-out pass@1", "heldout_pass_at_1"), ("held-out gain", "heldout
             ("critic expl. var", "critic_explained_var"), ("adaptation steps", "adaptation_steps"),
             ("advantage RMS", "advantage_rms"), ("grad norm", "grad_norm"), ("grad norm max", "grad_norm_max"),
             ("update norm", "update_norm"), ("staleness", "staleness"), ("PPO clip frac", "clip_frac"),
-            ("KL to rollout (k3)", "kl_k3"))
+            ("KL to rollout (k3)", "kl_k3"), ("lowest train reward", "reward_low"))
 
 
 def write_tables(rows: list[VariantRow], out: pathlib.Path, *, threshold: float) -> tuple[pathlib.Path, pathlib.Path]:
@@ -179,7 +187,7 @@ def write_tables(rows: list[VariantRow], out: pathlib.Path, *, threshold: float)
 
 _PAIRED = (("Δ held-out pass@1", "heldout_pass_at_1"), ("Δ held-out gain", "heldout_gain"),
            ("Δ final train reward", "final_reward"), ("Δ train reward gain", "reward_gain"),
-           ("Δ adaptation steps", "adaptation_steps"))
+           ("Δ lowest train reward", "reward_low"), ("Δ adaptation steps", "adaptation_steps"))
 _ONLINE_ONLY = ("adaptation_steps",)
 """Paired columns shown in results.md only when some pair has them (online arms against an online reference)."""
 
@@ -220,10 +228,6 @@ def _curve(records: list[dict], key: str) -> tuple[list[int], list[float]]:
             return [-1, *steps], [start[0], *values]
     return steps, values
 
-
-SMOOTH_STEPS = 10
-"""The plotted training reward is the trailing mean over this many steps: one step's 32 samples score
-with a standard error of about 0.08, which hides the differences between arms."""
 
 
 def mean_curves(plan: Plan, key: str) -> dict[str, tuple[list[int], list[int], list[float], int]]:

@@ -370,6 +370,15 @@ def test_step_size_columns_by_hand():
     assert s["clip_frac"] == pytest.approx(0.05) and s["kl_k3"] == pytest.approx(0.004)
     bare = run_stats(_records([0.1, 0.2]), threshold=0.5, online=False)
     assert all(math.isnan(bare[k]) for k in ("update_norm", "grad_norm_max", "clip_frac", "kl_k3"))
+    assert math.isnan(bare["reward_low"])  # 2 steps: no full window
+
+
+def test_lowest_training_reward_is_the_worst_full_window_by_hand():
+    """The lowest trailing mean over SMOOTH_STEPS (10) steps, full windows only: a recount by slices."""
+    rewards = [0.5] * 12 + [0.0, 0.1, 0.0] + [0.9] * 20 + [0.2] * 3
+    by_hand = min(sum(rewards[i:i + 10]) / 10 for i in range(len(rewards) - 9))
+    low = run_stats(_records(rewards), threshold=0.5, online=False)["reward_low"]
+    assert low == pytest.approx(by_hand) and low == pytest.approx(0.36)  # steps 5..14: (7 x 0.5 + 0.1) / 10
 
 
 def test_an_archived_study_continues_on_another_machine(tmp_path, monkeypatch, capsys):
