@@ -229,7 +229,6 @@ def _curve(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
-
 def mean_curves(plan: Plan, key: str) -> dict[str, tuple[list[int], list[int], list[float], int]]:
     """Per variant: ``key``'s mean over its runs, against RL steps taken and against trained samples
     (steps x the arm's batch), cut to its shortest run; and how many runs it averages. A point at
