@@ -64,6 +64,7 @@ def run_stats(records: list[dict], *, threshold: float, online: bool) -> dict[st
     _, evals = _series(records, "eval/pass_at_1")
     _, heldout = _curve(records, "eval/pass_at_1")  # the starting weights first with eval.before_train
     _, entropy = _series(records, "actor/entropy")
+    _, grad = _series(records, "actor/grad_norm")
     hit = steps_to_threshold(steps, reward, threshold)
     head = reward[:max(1, len(reward) // 10)]
     out = {"heldout_pass_at_1": evals[-1] if evals else math.nan,
@@ -78,8 +79,8 @@ def run_stats(records: list[dict], *, threshold: float, online: bool) -> dict[st
            "critic_explained_var": _mean(_tail(_series(records, "critic/explained_var")[1], 0.2)),
            "adaptation_steps": math.nan,
            "advantage_rms": advantage_rms(records),
-           "grad_norm": _mean(_series(records, "actor/grad_norm")[1]),
-           "grad_norm_max": max(_series(records, "actor/grad_norm")[1], default=math.nan),
+           "grad_norm": _mean(grad),
+           "grad_norm_max": max(grad, default=math.nan),
            "update_norm": _mean(_series(records, "actor/update_norm")[1]),
            "staleness": _mean(_series(records, "train/staleness_mean")[1]),
            "clip_frac": _mean(_series(records, "actor/clip_frac")[1]),
