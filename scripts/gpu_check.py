@@ -127,9 +127,14 @@ def summarise(lines: list[lib.Line], *, mode: str, seconds: float, budget: float
     if "NCCL NOT exercised" in sync:
         notes.append("NCCL NOT exercised")
     if mode == "gpu" and not require_te:
-        notes.append("Transformer Engine NOT checked (--no-te)")
+        notes.append(f"Transformer Engine NOT checked (--no-te: {lib.TE_TESTS} not run)")
+    if mode == "gpu":  # on a GPU an N/A is a check this node cannot make (too few GPUs): named
+        na = [ln.name for ln in lines if ln.status == lib.NA]
+        notes.append(f"{len(na)} not applicable here" + (f" ({', '.join(na)})" if na else ""))
+    else:
+        notes.append(f"{count[lib.NA]} not applicable on CPU")
     text = (f"gpu_check: {count['PASS']} PASS, {count['FAIL']} FAIL, " + ", ".join(notes)
-            + f", {count[lib.NA]} not applicable on {mode.upper()} in {seconds:.0f} s (budget {budget:.0f} s)")
+            + f" in {seconds:.0f} s (budget {budget:.0f} s)")
     return {"mode": mode, "seconds": round(seconds, 1), "budget_s": budget, "failed": count["FAIL"],
             "counts": count, "allowed_skips": skipped, "text": text, "lines": [dataclasses.asdict(ln) for ln in lines]}
 

@@ -50,6 +50,12 @@ def not_applicable(name: str, why: str) -> list["Line"]:
     return [Line(NA, name, "not applicable on CPU: " + why)]
 
 
+def not_applicable_below(name: str, gpus_needed: int, gpus: int, why: str) -> list["Line"]:
+    """A GPU check that needs more GPUs than the node has: N/A with the reason, not a SKIP (nothing
+    was tried and skipped: the check cannot be made on this node) and not a PASS."""
+    return [Line(NA, name, f"not applicable below {gpus_needed} GPUs ({gpus} visible): {why}")]
+
+
 class CheckTimeout(RuntimeError):
     """A check's subprocess ran past its time."""
 
@@ -207,14 +213,24 @@ def judge_env(env: dict, *, gpu: bool, require_te: bool) -> Line:
 
 # ---------------------------------------------------------------- pytest
 
+TE_TESTS = "tests/gpu/test_te_spec.py"
+"""The Transformer Engine tests: not run at all with --no-te (the summary line names them instead)."""
+
+
+def gpu_tests_command(xml: pathlib.Path, *, require_te: bool) -> list[str]:
+    """pytest over the gpu-marked tests, JUnit XML to ``xml``. The TP/EP layouts have their own
+    check (tp2-ep2): not run twice. ``require_te=False`` (--no-te) leaves the TE tests out."""
+    ignore = ["tests/gpu/test_tp_ep_layouts.py"] + ([] if require_te else [TE_TESTS])
+    return [*python(), "-m", "pytest", "tests/gpu", "-m", "gpu", *(f"--ignore={p}" for p in ignore),
+            "-q", "-s", "-p", "no:cacheprovider", f"--junitxml={xml}", "-o", "junit_family=xunit1"]
+
+
 def check_gpu_tests(ctx: Context) -> list[Line]:
     """The gpu-marked tests, one line per test from pytest's JUnit XML."""
     if not ctx.gpu:
         return not_applicable("gpu-tests", "the gpu-marked tests (tests/gpu/) skip without CUDA")
     xml = ctx.workdir("gpu-tests") / "junit.xml"
-    # The TP/EP layouts have their own check (tp2-ep2): not run twice.
-    cmd = [*python(), "-m", "pytest", "tests/gpu", "-m", "gpu", "--ignore=tests/gpu/test_tp_ep_layouts.py",
-           "-q", "-s", "-p", "no:cacheprovider", f"--junitxml={xml}", "-o", "junit_family=xunit1"]
+    cmd = gpu_tests_command(xml, require_te=ctx.require_te)
     # The TE tests fail rather than skip when TE is required (the default on a GPU).
     proc = ctx.run("gpu-tests", cmd, env={"SAO_GPU_CHECK_REQUIRE_TE": "1" if ctx.require_te else "0"})
     if not xml.is_file():
@@ -430,6 +446,7 @@ def check_limits(ctx: Context) -> list[Line]:
     missing = ["PP across GPUs", "real SGLang servers", "the NCCL weight-update group to SGLang servers"]
     if gpus < 2:
         missing[:0] = ["NCCL between GPUs (trainer collectives, weight sync: gloo with CUDA tensors instead)",
+                       "Megatron's TP/EP layouts (tp2-ep2: not applicable below 2 GPUs)",
                        "Transformer Engine grouped GEMM at EP > 1"]
     if not ctx.require_te:
         missing.insert(0, "Transformer Engine (--no-te)")

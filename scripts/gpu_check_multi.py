@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from gpu_check_lib import EMBEDDED_ENGINE_DTYPE, Context, Line, not_applicable, python, tail
+from gpu_check_lib import EMBEDDED_ENGINE_DTYPE, Context, Line, not_applicable, not_applicable_below, python, tail
 
 # ---------------------------------------------------------------- two ranks: TP2 and EP2
 
@@ -20,8 +20,19 @@ LAYOUT_SIZES = {"tp2": {"tp": 2, "ep": 1, "dp": 1}, "tp2_ep2": {"tp": 2, "ep": 2
 
 def two_rank_backend(gpus: int) -> str:
     """NCCL with a GPU per rank; gloo with CUDA tensors when both ranks share the one GPU (NCCL
-    cannot put two ranks on one device)."""
+    cannot put two ranks on one device). The weight-sync transport's broadcasts work over either;
+    Megatron's TP/EP layouts need NCCL (``ONE_GPU_LAYOUTS``)."""
     return "nccl" if gpus >= 2 else "gloo"
+
+
+ONE_GPU_LAYOUTS = (
+    "Megatron's TP/EP step needs collectives gloo refuses for CUDA tensors, at DP 1 too: "
+    "allreduce_coalesced (DDP's gradient sync, finalize_model_grads), reduce_scatter_tensor_coalesced "
+    "and allgather_into_tensor_coalesced (distributed optimizer), and the expert-TP dispatcher's uneven "
+    "all_gather; NCCL cannot put two ranks on one GPU. Staging through host memory would test a path "
+    "production never takes. Run on a node with 2 GPUs (NCCL); on CPU the same layouts run over gloo "
+    "in tests/gpu/test_tp_ep_layouts.py")
+"""Why tp2-ep2 is not applicable on one GPU (found on the first H200 run, issue 37)."""
 
 
 def torchrun(nproc: int, script: str, *args: str) -> list[str]:
@@ -53,12 +64,15 @@ def check_tp_ep_layouts(ctx: Context) -> list[Line]:
     if not ctx.gpu:
         return not_applicable("tp2-ep2", "TP2 and TP2xEP2 on CUDA (the same layouts run on the CPU in "
                               "tests/component/test_megatron_parallel.py and tests/gpu/test_tp_ep_layouts.py)")
+    gpus = int(ctx.info.get("gpus") or 1)
+    if gpus < 2:
+        return not_applicable_below("tp2-ep2", 2, gpus, ONE_GPU_LAYOUTS)
     workdir = ctx.workdir("tp2-ep2")
     script = "tests/gpu/mp_scripts/tp_ep_layouts.py"
     ref = ctx.run("tp2-ep2-ref", torchrun(1, script, str(workdir / "ref_rows.json"), str(workdir), "--ref-only"))
     if ref.returncode or not (workdir / "ref.json").is_file():
         return [Line("FAIL", "tp2-ep2", f"TP1 reference failed rc={ref.returncode}: {tail(ref.stdout)}")]
-    backend = two_rank_backend(int(ctx.info.get("gpus") or 1))
+    backend = two_rank_backend(gpus)
     out = workdir / "results.json"
     proc = ctx.run("tp2-ep2", torchrun(2, script, str(out), str(workdir), "--backend", backend),
                    env={"OMP_NUM_THREADS": "2"})

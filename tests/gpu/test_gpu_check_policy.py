@@ -76,7 +76,6 @@ def test_layouts_attempt_never_turns_unsupported_into_skip():
 
     row = tp_ep_layouts.attempt(gloo_says_no, "tp2", None)
     assert row["status"] == "FAIL" and "unsupported device type" in row["detail"]
-    # The two-rank layouts have DP 1: gloo's missing allreduce_coalesced for CUDA is never reached.
     assert all(v["dp"] == 1 for v in tp_ep_layouts.EXPECTED_SIZES.values())
     assert tp_ep_layouts.EXPECTED_SIZES["tp2_ep2"]["ep"] == 2 and tp_ep_layouts.EXPECTED_SIZES["tp2"]["tp"] == 2
 
@@ -230,3 +229,44 @@ def test_gpu_mode_without_a_gpu_fails_with_exit_code_one(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     line = json.loads((tmp_path / "gpu_check_summary.json").read_text())["lines"][0]
     assert line["status"] == "FAIL" and "no CUDA device" in line["detail"]
+
+
+class _Recording(lib.Context):
+    """A GPU-mode context that records the commands a check starts instead of running them (rc 1)."""
+
+    def run(self, name, cmd, *, limit=None, env=None):
+        self.info.setdefault("commands", []).append((name, cmd, env))
+        return subprocess.CompletedProcess(cmd, 1, "not run", "")
+
+
+def test_no_te_does_not_run_the_te_tests_and_the_summary_names_them(tmp_path):
+    """Issue 37: with --no-te the TE test ran, skipped, and the skip became a FAIL."""
+    ctx = _Recording(mode="gpu", out=tmp_path, deadline=time.monotonic() + 60, require_te=False)
+    lib.check_gpu_tests(ctx)
+    ((_, cmd, _),) = ctx.info["commands"]
+    collect = [a for a in cmd if not a.startswith("--junitxml")] + ["--collect-only", "-m", "gpu or not gpu"]
+    proc = subprocess.run(collect, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert "test_gpu_check_policy.py" in proc.stdout, proc.stdout[-2000:]  # the collection itself worked
+    assert "test_te_spec" not in proc.stdout, "--no-te still runs the TE tests"
+    required = _Recording(mode="gpu", out=tmp_path, deadline=time.monotonic() + 60, require_te=True)
+    lib.check_gpu_tests(required)
+    assert not any("test_te_spec" in a for a in required.info["commands"][0][1])  # TE required: it runs
+    text = gpu_check.summarise([], mode="gpu", seconds=1, budget=480, allow=set(), require_te=False)["text"]
+    assert "Transformer Engine NOT checked (--no-te: tests/gpu/test_te_spec.py not run)" in text
+
+
+def test_tp2_ep2_is_not_applicable_below_two_gpus_and_uses_nccl_with_two(tmp_path):
+    """Issue 37: on one GPU the layouts ran over gloo with CUDA tensors and failed in Megatron's
+    coalesced collectives; now a distinct N/A with the reason, named in the summary, not a SKIP."""
+    one = _Recording(mode="gpu", out=tmp_path, deadline=time.monotonic() + 60, info={"gpus": 1})
+    lines = multi.check_tp_ep_layouts(one)
+    assert [ln.status for ln in lines] == [lib.NA] and "commands" not in one.info, [ln.text() for ln in lines]
+    assert lines[0].detail.startswith("not applicable below 2 GPUs (1 visible): ")
+    for collective in ("allreduce_coalesced", "reduce_scatter_tensor_coalesced", "all_gather", "NCCL"):
+        assert collective in lines[0].detail
+    summary = gpu_check.summarise([lib.Line("PASS", "env", ""), *lines], mode="gpu", seconds=1, budget=480,
+                                  allow=set(), require_te=True)
+    assert summary["failed"] == 0 and "1 not applicable here (tp2-ep2)" in summary["text"]
+    two = _Recording(mode="gpu", out=tmp_path, deadline=time.monotonic() + 60, info={"gpus": 2})
+    assert multi.check_tp_ep_layouts(two)[0].status == "FAIL"  # the recorded reference "failed"
+    assert "torch.distributed.run" in two.info["commands"][0][1]

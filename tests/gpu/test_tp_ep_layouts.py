@@ -1,6 +1,6 @@
-"""TP2 and TP2xEP2 against TP1 (see mp_scripts/tp_ep_layouts.py): on the GPU(s) with the backend
-gpu_check chooses (NCCL with two GPUs, gloo with CUDA tensors on one), and on the CPU (slow) to
-prove the plumbing: the reference in its own process, two-rank layouts with DP 1, sizes recorded."""
+"""TP2 and TP2xEP2 against TP1 (see mp_scripts/tp_ep_layouts.py): over NCCL with two GPUs (one GPU:
+the check's verdict is "not applicable below 2 GPUs", asserted), and on the CPU (slow) to prove the
+plumbing: the reference in its own process, two-rank layouts with DP 1, sizes recorded."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ def _rows(tmp: pathlib.Path, backend: str) -> tuple[list[dict], list]:
 @pytest.mark.gpu
 @pytest.mark.component
 def test_tp2_and_tp2_ep2_match_tp1_on_cuda(tmp_path):
+    if torch.cuda.device_count() < 2:  # what gpu_check says on one GPU, and why
+        ctx = multi.Context(mode="gpu", out=tmp_path, deadline=0.0, info={"gpus": torch.cuda.device_count()})
+        (line,) = multi.check_tp_ep_layouts(ctx)
+        assert line.status == "N/A" and line.detail.startswith("not applicable below 2 GPUs"), line.text()
+        return
     backend = multi.two_rank_backend(torch.cuda.device_count())
     rows, lines = _rows(tmp_path, backend)
     print(f"\nGPU_CHECK_NUMBERS test_tp2_and_tp2_ep2_match_tp1_on_cuda: " + "; ".join(

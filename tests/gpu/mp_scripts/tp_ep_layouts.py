@@ -3,17 +3,18 @@
     python tp_ep_layouts.py RESULTS.json WORKDIR --ref-only            # TP1 reference, one process
     torchrun --standalone --nproc_per_node=2 tp_ep_layouts.py RESULTS.json WORKDIR --backend nccl|gloo
 
-Why these layouts: with two ranks, any layout with data parallelism 2 all-reduces gradients with
-``allreduce_coalesced``, which gloo does not implement for CUDA tensors ("unsupported device type").
-So the reference (TP1) runs in its own single process, and the two-rank layouts have DP = 1:
-``tp2`` (TP2, sequence parallel) and ``tp2_ep2`` (TP2, EP2, expert-TP 1, sequence parallel: experts
-split over the two ranks, dense layers over TP). Every row records the tp/ep/dp sizes, backend and
-devices the ranks really used; the caller asserts them.
+Layouts: the reference (TP1) runs in its own single process; the two-rank layouts are ``tp2``
+(TP2, sequence parallel) and ``tp2_ep2`` (TP2, EP2, expert-TP 1, sequence parallel: experts split
+over the two ranks, dense layers over TP), both with DP 1. Every row records the tp/ep/dp sizes,
+backend and devices the ranks really used; the caller asserts them.
 
-Backends: ``nccl`` (two GPUs, one rank per GPU: what production uses) or ``gloo`` (one GPU, both
-ranks on cuda:0: NCCL cannot put two ranks on one device; gloo moves CUDA tensors for all-reduce,
-broadcast, all-gather and all-to-all, which these layouts need). Without CUDA it runs on the CPU
-(gloo, CPU shims): that is how its plumbing is tested here.
+Backends: ``nccl`` (two GPUs, one rank per GPU: what production uses), or gloo without CUDA (CPU
+tensors, CPU shims: how its plumbing is tested here). Not gloo with CUDA tensors on one GPU: DP 1
+does not avoid Megatron's coalesced collectives (DDP's gradient sync calls ``allreduce_coalesced``
+at any DP size, the distributed optimizer ``reduce_scatter_tensor_coalesced`` and
+``allgather_into_tensor_coalesced``), which gloo implements for CPU tensors only, and gloo refuses
+the expert-TP dispatcher's uneven ``all_gather`` (the first H200 run, issue 37). gpu_check.sh
+reports the check as not applicable below 2 GPUs.
 
 Per layout, against the reference: log-probs and entropies of the same micro-batches (forward),
 three actor optimizer steps (plain optimizer: gradients through every collective), three critic
@@ -52,7 +53,7 @@ LAYOUTS = {
                               expert_tensor_parallel_size=1, sequence_parallel=True),
 }
 EXPECTED_SIZES = {"tp2": {"tp": 2, "ep": 1, "dp": 1}, "tp2_ep2": {"tp": 2, "ep": 2, "dp": 1, "expt_dp": 1}}
-"""What each two-rank layout must have run with (DP 1: no allreduce_coalesced on gloo)."""
+"""What each two-rank layout must have run with."""
 LOGPROB_TOL = 1e-4
 """fp32 on both sides; TP splits the matmuls' reductions across ranks (summation order only)."""
 LOSS_REL_TOL = 1e-4
@@ -61,7 +62,7 @@ LOSS_REL_TOL = 1e-4
 
 def context(name: str, *, distributed_optimizer: bool, backend: str):
     parallel = dataclasses.replace(LAYOUTS[name], use_distributed_optimizer=distributed_optimizer)
-    # gloo on one GPU: both ranks on cuda:0 (LOCAL_RANK picks the device in init_distributed).
+    # gloo runs without CUDA only (main refuses it with CUDA): LOCAL_RANK then picks nothing.
     env = dict(os.environ, LOCAL_RANK="0") if backend == "gloo" else None
     return init_distributed(parallel, seed=ml.SEED, environ=env)
 
@@ -116,7 +117,7 @@ def critic_part(name: str, args, mbs, ref: dict) -> dict:
 
 def attempt(fn, label: str, *args) -> dict:
     """Run one part; any exception is a FAIL with its message (gloo's "unsupported device type"
-    included: the layouts were chosen so that nothing gloo lacks is needed)."""
+    included: never a SKIP)."""
     try:
         return fn(*args)
     except Exception as exc:
@@ -157,6 +158,9 @@ def main() -> int:
     args.layouts = [n for n in args.layouts.split(",") if n in EXPECTED_SIZES]
     faulthandler.dump_traceback_later(args.hang_timeout, exit=True)
     cuda = torch.cuda.is_available()
+    if cuda and args.backend == "gloo" and not args.ref_only:
+        raise SystemExit("tp_ep_layouts.py: --backend gloo with CUDA tensors cannot run Megatron's coalesced "
+                         "collectives (see the module docstring): use --backend nccl with 2 GPUs")
     if not args.ref_only and (args.backend == "gloo" or not cuda):
         dist.init_process_group("gloo")  # before init_distributed, which then keeps it
     local = int(os.environ.get("LOCAL_RANK", "0")) if args.backend == "nccl" else 0
