@@ -54,6 +54,7 @@ CHECKS = [
     Check(name="weight-sync", run=multi.check_weight_sync, timeout_s={"gpu": 30, "cpu": 120}),
     Check(name="tp2-ep2", run=multi.check_tp_ep_layouts, timeout_s={"gpu": 60, "cpu": 5}),
     Check(name="dsa-topk", run=multi.check_dsa_topk, timeout_s={"gpu": 30, "cpu": 5}),
+    Check(name="dsa-bf16", run=multi.check_dsa_bf16, timeout_s={"gpu": 40, "cpu": 300}),
     Check(name="memory-vs-plan", run=lib.check_memory, timeout_s={"gpu": 40, "cpu": 300}),
     Check(name="bench-gae", run=lib.check_bench_gae, timeout_s={"gpu": 10, "cpu": 300}),
     Check(name="bench-logprobs", run=lib.check_bench_logprobs, timeout_s={"gpu": 14, "cpu": 300}),
