@@ -195,26 +195,51 @@ def build_model_chunks(model: ModelConfig, ctx: ParallelContext, *, value_head: 
     stages = [None] if ctx.vpp_size is None or ctx.pp_size == 1 else list(range(ctx.vpp_size))
     chunks = [build_gpt_model(model, ctx, vp_stage=s, value_head=value_head, config=config, use_te=use_te)
               for s in stages]
-    check_on_device(chunks, ctx.device)
+    check_on_device(chunks, place_on_device(chunks, ctx.device))
     if value_head or not model.dsa_indexer_loss_coeff:  # trained only by its KL loss, in the actor
         freeze_dsa_indexer(chunks)
     return chunks
 
 
-def check_on_device(chunks: list[torch.nn.Module], device: torch.device) -> None:
-    """Every parameter on ``device`` (the training device), or a clear error naming the first one
-    that is not: a module created elsewhere would fail only at the first forward. Buffers off the
-    device are logged (Megatron keeps a few bookkeeping buffers wherever it likes). Models built on
-    the ``meta`` device (parameter counting, planning) hold no storage and are not checked."""
+def place_on_device(chunks: list[torch.nn.Module], device: torch.device) -> torch.device:
+    """Move every chunk to the training device after building it, as Megatron's ``get_model`` does
+    (``module.cuda(torch.cuda.current_device())``); returns the device its tensors must now be on.
+
+    Megatron leaves some tensors for this move on purpose: ``TopKRouter`` creates its weight without
+    a device ("TODO: Add support for GPU initialization"). A build under ``torch.device("meta")``
+    (parameter counting, planning: no storage) is not moved and must stay entirely on ``meta``.
+    Parameters keep their Python attributes (Megatron's tensor-parallel, sequence-parallel and
+    expert tags) also where torch converts by making new Parameters instead of setting ``.data``
+    (e.g. CPU -> meta under the ``CudaToMetaMode`` emulation).
+    """
+    if torch.get_default_device().type == "meta":
+        return torch.device("meta")
     for chunk in chunks:
-        for name, t in chunk.named_buffers():
-            if t.device.type not in (device.type, "meta"):
-                logger.warning("model buffer %s is on %s, the run trains on %s", name, t.device, device)
-        for name, t in chunk.named_parameters():
-            if t.device.type not in (device.type, "meta"):
-                raise RuntimeError(f"model tensor {name} was created on {t.device}, the run trains on {device}: "
-                                   "a module outside Megatron's own layers ignores use_cpu_initialization "
-                                   "(see models.specs.init_device)")
+        tags = {name: dict(vars(p)) for name, p in chunk.named_parameters() if vars(p)}
+        chunk.to(device=device)
+        for name, p in chunk.named_parameters():
+            for key, value in tags.get(name, {}).items():
+                if not hasattr(p, key):
+                    setattr(p, key, value)
+    # Where a tensor sent to ``device`` lands: ``device`` itself, unless a device mode maps it
+    # (CudaToCpuMode: the CPU; CudaToMetaMode: meta).
+    return torch.empty(0, device=device).device
+
+
+def check_on_device(chunks: list[torch.nn.Module], device: torch.device) -> None:
+    """Every parameter and buffer on ``device`` (type and index: ``cuda:1`` is not ``cuda:0``), or a
+    clear error naming the first one that is not: a tensor elsewhere would fail only at the first
+    forward, or silently run a layer on the CPU. No buffer is exempt: after ``place_on_device`` no
+    megatron-core 0.19.2 module keeps one on the CPU for the families we build (tests/component/
+    test_device_placement.py builds each of them with CUDA placements mapped to ``meta``)."""
+    for chunk in chunks:
+        tensors = [("parameter", n, t) for n, t in chunk.named_parameters()]
+        tensors += [("buffer", n, t) for n, t in chunk.named_buffers()]
+        for kind, name, t in tensors:
+            if t.device != device:
+                raise RuntimeError(f"model {kind} {name} is on {t.device}, the run trains on {device}: a module "
+                                   "created it elsewhere and place_on_device did not move it (a module that "
+                                   "overrides _apply/to, or a tensor created after the build)")
 
 
 def freeze_dsa_indexer(chunks: list[torch.nn.Module]) -> int:

@@ -156,35 +156,40 @@ def _is_cuda_device(device) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
-_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
-                    "torch.HalfTensor": "torch.cuda.HalfTensor",
-                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+_CUDA_TYPE_NAMES = {f"torch.{where}{kind}": f"torch.cuda.{kind}" for where in ("", "meta.")
+                    for kind in ("FloatTensor", "HalfTensor", "BFloat16Tensor")}
+"""CPU and meta tensor type names -> the CUDA ones Megatron's optimizers and clip_grads insist on."""
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Maps every CUDA placement to the CPU and lets CPU tensors pass CUDA type checks.
+    """Maps every CUDA placement to ``target`` (the CPU) and lets its tensors pass CUDA type checks.
 
-    - ``device=`` arguments (``"cuda"``, ``torch.device("cuda", i)``, a bare index) -> cpu
+    - ``device=`` arguments (``"cuda"``, ``torch.device("cuda", i)``, a bare index) -> ``target``
       (schedules, optimizer, clip_grads, grad buffers and many more use them);
-    - ``Tensor.cuda()``/``Tensor.to(<cuda>)``/``pin_memory`` -> stay on CPU;
+    - ``Tensor.cuda()``/``Tensor.to(<cuda>)`` -> ``target`` (meta tensors stay meta: planning builds);
+      ``pin_memory`` is a no-op;
     - ``Tensor.type()`` reports ``torch.cuda.FloatTensor`` etc. because the optimizers and
       clip_grads check ``param.type() == 'torch.cuda.FloatTensor'`` and reject anything else;
     - ``record_stream`` is a no-op.
     """
+
+    target = torch.device("cpu")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return _CUDA_TYPE_NAMES.get(name, name)
-        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
+        if func is torch.Tensor.cuda:
+            return args[0] if args[0].is_meta else args[0].to(self.target)
+        if func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.record_stream:
             return None
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], torch.device("cpu"), *args[2:])
+            args = (args[0], self.target, *args[2:])
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs["device"] = torch.device("cpu")
+            kwargs["device"] = self.target
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         if func in (torch.autograd.backward, torch.Tensor.backward):
@@ -214,6 +219,18 @@ class CudaToCpuMode(TorchFunctionMode):
             torch.autograd.Variable._execution_engine.run_backward(
                 tensors=tuple(tensors), grad_tensors=grads, keep_graph=create if retain is None else retain,
                 create_graph=create, inputs=(), allow_unreachable=True, accumulate_grad=True)
+
+
+class CudaToMetaMode(CudaToCpuMode):
+    """Maps every CUDA placement to the ``meta`` device instead: a device-placement emulation for CPU CI.
+
+    Under CudaToCpuMode "placed on the device" and "left on the CPU" look the same; here a tensor
+    that reached the device is on ``meta`` and one that never did is still on the CPU. Meant to
+    run on top of the CPU shims (which stub torch.cuda); tensors hold no storage, so whatever reads
+    values (``.item()``, ``.tolist()``, host copies of split sizes) stops there.
+    """
+
+    target = torch.device("meta")
 
 
 def _shim_device_mode() -> None:

@@ -184,8 +184,53 @@ def test_a_parameter_off_the_device_is_a_clear_error():
 
     chunk = torch.nn.Linear(2, 2)
     check_on_device([chunk], torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="weight was created on cpu, the run trains on meta"):
+    with pytest.raises(RuntimeError, match="parameter weight is on cpu, the run trains on meta"):
         check_on_device([chunk], META)
+
+
+def test_a_buffer_off_the_device_is_an_error_too():
+    """Failed before: buffers off the device were only logged."""
+    from sao_megatron.models.builder import check_on_device
+
+    with torch.device("meta"):
+        chunk = torch.nn.Linear(2, 2)
+    chunk.register_buffer("expert_bias", torch.zeros(2))
+    with pytest.raises(RuntimeError, match="buffer expert_bias is on cpu, the run trains on meta"):
+        check_on_device([chunk], META)
+
+
+def test_the_device_index_counts():
+    """Failed before: only the device type was compared, so cuda:1 passed for cuda:0 (a stub chunk: no GPU)."""
+    from sao_megatron.models.builder import check_on_device
+
+    on_gpu1 = SimpleNamespace(device=torch.device("cuda", 1))
+    chunk = SimpleNamespace(named_parameters=lambda: [("w", on_gpu1)], named_buffers=lambda: [])
+    check_on_device([chunk], torch.device("cuda", 1))
+    with pytest.raises(RuntimeError, match="parameter w is on cuda:1, the run trains on cuda:0"):
+        check_on_device([chunk], torch.device("cuda", 0))
+
+
+def test_place_on_device_moves_parameters_and_buffers_and_keeps_megatron_tags():
+    """CPU -> meta converts by new Parameters (torch cannot set ``.data`` across): the tags come along."""
+    from sao_megatron.models.builder import check_on_device, place_on_device
+
+    chunk = torch.nn.Linear(2, 2)
+    chunk.weight.tensor_model_parallel, chunk.weight.partition_dim = True, 0
+    chunk.register_buffer("expert_bias", torch.zeros(2))
+    assert place_on_device([chunk], META) == META
+    check_on_device([chunk], META)
+    assert (chunk.weight.tensor_model_parallel, chunk.weight.partition_dim) == (True, 0)
+    assert not hasattr(chunk.bias, "partition_dim")
+
+
+def test_a_meta_build_is_not_moved():
+    """Parameter counting builds under torch.device("meta"): nothing to move, and it must stay there."""
+    from sao_megatron.models.builder import place_on_device
+
+    with torch.device("meta"):
+        chunk = torch.nn.Linear(2, 2)
+        assert place_on_device([chunk], torch.device("cpu")) == META
+    assert chunk.weight.device == META
 
 
 # ---------------------------------------------------------------- 4. resources.device
