@@ -322,6 +322,10 @@ def _shim_dist_optimizer_step_state() -> None:
     restores it separately, then ``_set_main_param_and_optimizer_states`` copies every state
     tensor from the checkpoint and fails with KeyError 'step' (the checkpoint entries skip it).
     Marking ``step`` as absent (None) makes it skip that key, as it does for non-tensors.
+    And load_state_dict gives every parameter the SAME ``step`` tensor (``s["step"] = step`` in its
+    non-apex/TE branch; torch keeps a non-capturable step as given), which torch Adam then increments
+    once per parameter: 33 parameters resumed at step 2 were at step 35 after one more step, and bias
+    correction was wrong from then on. Each parameter gets its own copy after the load.
     Idempotent: both the CPU shims and ``apply_optimizer_shims`` may reach it in one process.
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -333,8 +337,18 @@ def _shim_dist_optimizer_step_state() -> None:
     def set_states(self, model_param, tensors):
         return orig(self, model_param, {"step": None, **tensors})
 
-    setattr(set_states, _MARK, True)
+    orig_load = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        orig_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+    for fn in (set_states, load_state_dict):
+        setattr(fn, _MARK, True)
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    DistributedOptimizer.load_state_dict = load_state_dict
 
 
 def apply_optimizer_shims() -> bool:
@@ -348,6 +362,7 @@ def apply_optimizer_shims() -> bool:
 
     if distrib_optimizer.HAVE_APEX_OR_TE or "dist_optimizer_step_state" in _SKIPPED:
         return False
+    check_megatron_version()  # it patches megatron's private load path, audited per version
     _shim_dist_optimizer_step_state()
     return True
 
