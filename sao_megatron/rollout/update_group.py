@@ -1,11 +1,15 @@
 """SGLang's named weight-update groups, both ends (sglang 0.5.23 ``srt/utils/common.py``).
 
-A group is a process group outside any default world: a TCP rendezvous at
+A group is a process group outside any default world: a TCP store at
 ``master_address:master_port`` hosted by group rank 0 (the sender), keys under
 ``PrefixStore(group_name)`` so several groups can share one store port space,
 ranks fixed to ``0..world_size-1``. SGLang's engine ranks join as
 ``rank_offset + tp_rank``. The timeout bounds every rendezvous and collective
 of the group, so a peer that dies cannot hang the other side for longer.
+
+SGLang's receivers reach the store through ``c10d.rendezvous("tcp://…")``; this side
+builds the same ``TCPStore`` itself (see :func:`group_store` for why), so both ends
+speak one store protocol and one key layout.
 """
 
 from __future__ import annotations
@@ -25,16 +29,31 @@ def init_custom_process_group(*, backend: str, master_address: str, master_port:
     """Join (rank 0: host) the named group; returns the process group. Blocks until all ranks joined."""
     from torch.distributed import distributed_c10d as c10d
 
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                                   timeout=timeout))
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore(group_name, store)
+    store = c10d.PrefixStore(group_name, group_store(master_address, master_port, world_size, rank, timeout))
     params = inspect.signature(c10d._new_process_group_helper).parameters
     options = "backend_options" if "backend_options" in params else "pg_options"
     group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
                                               group_name=group_name, timeout=timeout, **{options: None})
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def group_store(master_address: str, master_port: int, world_size: int, rank: int, timeout: timedelta):
+    """The group's TCP store: rank 0 serves it at ``master_address:master_port``, the others dial it.
+
+    Built directly, not through ``c10d.rendezvous("tcp://…")``: under torchrun
+    (``TORCHELASTIC_USE_AGENT_STORE=True``) torch ≤ 2.11's tcp handler makes *every* rank a client of
+    the elastic agent's store whatever the address, so the sender would wait for a server nobody runs
+    (torch 2.14 honours the flag only at the agent's own ``MASTER_ADDR:MASTER_PORT``). The arguments are
+    the handler's own for a non-agent store (``multi_tenant``: several stores of one process may share
+    the port), so a receiver that comes in through the handler dials exactly this server.
+    """
+    from torch.distributed import TCPStore
+
+    if not 0 < master_port < 2**16:
+        raise ValueError(f"update group port {master_port} is not a TCP port: pass one in 1..65535")
+    return TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                    multi_tenant=True)
 
 
 def torch_dtype(name: str) -> torch.dtype:
