@@ -115,15 +115,17 @@ def _log_choices(cfg: ExperimentConfig, ctx: ParallelContext, actor: TrainedMode
 def initial_weights(c: Components, cfg: ExperimentConfig) -> None:
     """Collective: the starting weights of a fresh run. The actor from ``actor.load`` (Megatron
     checkpoint) or ``model.hf_dir`` (HF checkpoint), then the supervised warm-up (``run.sft_steps``) and,
-    with ``actor.reset_optimizer_before_rl``, a fresh Adam state for RL; the critic once, from the final starting actor or ``critic.init_from``."""
+    with ``actor.reset_optimizer_before_rl``, a fresh Adam state for RL; the critic once, from the final
+    starting actor or ``critic.init_from``. Every write goes through ``TrainedModel.set_weights``, so the
+    optimizers' master weights start from these weights, not from the random ones they were built with."""
     from sao_megatron.training.run.checkpoint import load_checkpoint
 
     if cfg.actor.load:
-        load_checkpoint(cfg.actor.load, c.actor.chunks)
+        c.actor.set_weights(lambda chunks: load_checkpoint(cfg.actor.load, chunks))
     elif cfg.model.hf_dir:
         from sao_megatron.models.families.sharded import load_hf_dir
 
-        load_hf_dir(c.actor.chunks, cfg.model, cfg.model.hf_dir)
+        c.actor.set_weights(lambda chunks: load_hf_dir(chunks, cfg.model, cfg.model.hf_dir))
     if cfg.run.sft_steps:
         from sao_megatron.training.step.sft import supervised_warmup
 
@@ -136,11 +138,11 @@ def initial_weights(c: Components, cfg: ExperimentConfig) -> None:
     if c.critic is None:
         return
     if cfg.critic.init_from != "actor":
-        load_checkpoint(cfg.critic.init_from, c.critic.chunks)
+        c.critic.set_weights(lambda chunks: load_checkpoint(cfg.critic.init_from, chunks))
     else:
         from sao_megatron.models.critic import init_critic_from_actor
 
-        init_critic_from_actor(c.critic.chunks, c.actor.chunks)
+        c.critic.set_weights(lambda chunks: init_critic_from_actor(chunks, c.actor.chunks))
 
 
 def write_hf_export(c: Components, model: ModelConfig, out_dir: pathlib.Path, template_dir: pathlib.Path) -> None:
