@@ -3,7 +3,8 @@
 Data (``/generate``) goes through the sglang-router when ``router_url`` is set,
 else through the built-in least-loaded sticky router. Control calls (pause,
 abort, weight updates, cache flush) go to every healthy engine directly: the
-router does not fan them out.
+router does not fan them out. ``continue_generation`` goes to every engine the open pause reached,
+healthy or not: a pause is never left behind on an engine marked unhealthy during a weight push.
 
 Failure policy:
 - connection refused / connect timeout: the request was never accepted, so it
@@ -48,6 +49,10 @@ from sao_megatron.rollout.types import (
 
 logger = logging.getLogger(__name__)
 
+RELEASE_TIMEOUT_S = 30.0
+"""Bound on one /continue_generation: a live engine answers at once (SGLang flips a flag), so a push does
+not wait the control timeout (up to minutes) on one that does not; that one is continued later."""
+
 
 class RolloutClient:
     """SGLang native-API client: token-in/token-out generation plus the RL control plane."""
@@ -70,7 +75,12 @@ class RolloutClient:
         raising EngineUnavailable (0: raise at once)."""
         self.served = served
         self.paused = False
-        """Generation is paused on the engines (health probes then skip SGLang's /health, which waits)."""
+        """A pause is open (between ``pause_generation`` and ``continue_generation``)."""
+        self.num_pauses = 0
+        """Pauses opened so far: a probe that saw one begin cannot judge the engine by /health."""
+        self._paused: set[str] = set()
+        """Engines sent /pause_generation and not continued since: the open pause's, and after it those whose
+        continue failed (kept out of routing until continued). Health probes skip their /health, which waits."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # trust_env=False: a proxy from the environment must never see loopback engine traffic.
         http = httpx.AsyncClient(
@@ -114,8 +124,13 @@ class RolloutClient:
     def remove_engine(self, url: str) -> None:
         """Stop sending anything to ``url`` (dead, hung or being restarted). Requests still open there
         are cut short with EngineUnavailable: control calls are skipped by the broadcast, turns fail
-        over (see ``_send_tracked``)."""
+        over (see ``_send_tracked``). Its pause is forgotten: what answers there next is a new process."""
         self._transport.cut(url.rstrip("/"))
+        self._paused.discard(url.rstrip("/"))
+
+    def is_paused(self, url: str) -> bool:
+        """This client paused ``url`` and has not continued it yet."""
+        return url.rstrip("/") in self._paused
 
     # The transport's calls under the names the request path and control verbs below use.
     @property
@@ -146,8 +161,10 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ data
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
-                       return_routed_experts: bool = False) -> GenerateResult:
-        """Generate from ``input_ids``; the reply carries per-token log-probs and versions."""
+                       return_routed_experts: bool = False, avoid: frozenset[str] = frozenset()) -> GenerateResult:
+        """Generate from ``input_ids``; the reply carries per-token log-probs and versions.
+
+        ``avoid``: engines to use only when no other is healthy (a resubmission after a failure there)."""
         rid = rid or uuid.uuid4().hex
         payload = build_generate_payload(input_ids, sampling, rid=rid, return_routed_experts=return_routed_experts)
         if self.engine_wait_s > 0 and not self._router.healthy():
@@ -158,7 +175,7 @@ class RolloutClient:
         deadline = time.monotonic() + self.engine_wait_s
         while True:
             try:
-                url = self._router.pick(rid, frozenset(tried))
+                url = self._router.pick(rid, frozenset(tried), avoid)
             except EngineUnavailable:
                 if time.monotonic() >= deadline:
                     raise
@@ -211,15 +228,46 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ control
     async def pause_generation(self, mode: PauseMode = "retract") -> None:
-        """Pause every engine: abort (partial outputs returned now), retract or in_place (kept, resumed later)."""
+        """Pause every healthy engine: abort (partial outputs returned now), retract or in_place (kept,
+        resumed later). Each engine asked counts as paused from before the call (a call whose reply was
+        lost may still have paused it) until ``continue_generation`` reaches it."""
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
-        await self._broadcast("/pause_generation", {"mode": mode})
+        targets = self.healthy_urls()
+        self._paused.update(targets)
         self.paused = True
+        self.num_pauses += 1
+        await self._broadcast("/pause_generation", {"mode": mode}, urls=targets)
 
     async def continue_generation(self) -> None:
-        await self._broadcast("/continue_generation", {})
+        """Continue every engine this client paused, those marked unhealthy since included: a pause is
+        released whether the push succeeded or failed, whatever happened to the engine in between. One
+        that cannot be reached stays paused in our books and out of routing; it is continued before it
+        is routed again (``check_engine``) or restarted by the supervisor. EngineUnavailable when there
+        were paused engines and none could be continued."""
+        paused = sorted(self._paused)
+        released = await self._release(paused)
         self.paused = False
+        if paused and not released:
+            raise EngineUnavailable(f"/continue_generation reached none of the paused engines {paused}")
+
+    async def _release(self, urls: list[str]) -> list[str]:
+        """/continue_generation to each of ``urls``, healthy or not, within RELEASE_TIMEOUT_S; those it reached."""
+        timeout = min(self._transport.control_timeout_s, RELEASE_TIMEOUT_S)
+        results = await asyncio.gather(*(self._call(u, "/continue_generation", {}, timeout=timeout) for u in urls),
+                                       return_exceptions=True)
+        released = []
+        for url, res in zip(urls, results):
+            if isinstance(res, EngineError):
+                self._router.mark_unhealthy(url)  # routed to while paused, a request would wait for ever
+                logger.warning("engine %s left paused: /continue_generation failed (%s); kept out of routing "
+                               "until it is continued", url, res)
+            elif isinstance(res, BaseException):
+                raise res
+            else:
+                self._paused.discard(url)
+                released.append(url)
+        return released
 
     async def abort_request(self, rid: str) -> None:
         """Abort one request; the pending ``generate`` returns its partial output with finish_reason abort."""
@@ -314,23 +362,32 @@ class RolloutClient:
         return await self._call(url.rstrip("/"), "/model_info", None, method="GET", expect_json=True)
 
     async def health(self, timeout_s: float = HEALTH_TIMEOUT_S) -> dict[str, bool]:
-        """Probe every engine (``rollout.health.probe``), unhealthy ones included; True = alive.
+        """``check_engine`` on every engine, unhealthy ones included; True = alive."""
+        urls = self.engine_urls
+        states = await asyncio.gather(*(self.check_engine(u, timeout_s) for u in urls))
+        return {u: s is not EngineState.DEAD for u, s in zip(urls, states)}
 
-        A dead engine (no answer at all) stops receiving data. A busy one (paused, loading, or slower
-        than the bound) keeps its status: SGLang's /health takes a generation step, so a slow answer
-        is not a death. An engine comes back only once /health passes and it reports the last pushed
-        weight version (one that missed an update must not serve stale weights).
+    async def check_engine(self, url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> EngineState:
+        """Probe one engine (``rollout.health.probe``) and route by the answer.
+
+        A dead engine (no answer at all) stops receiving data. A paused or stuck one keeps its status:
+        SGLang's /health takes a generation step, so one slow answer is not a death (the supervisor
+        restarts an engine stuck on several probes in a row). An engine comes back only once /health
+        passes and it reports the last pushed weight version (one that missed an update must not serve
+        stale weights); one left paused by a failed continue is continued first.
         """
-        states = await asyncio.gather(*(self._probe(u, timeout_s) for u in self.engine_urls))
-        for url, state in zip(self.engine_urls, states):
-            if state is EngineState.OK:
-                self._router.mark_healthy(url)
-            elif state is EngineState.DEAD:
-                self._mark_unhealthy(url, "no answer to /model_info (process gone or hung)")
-        return {u: s is not EngineState.DEAD for u, s in zip(self.engine_urls, states)}
+        url = url.rstrip("/")
+        state = await self._probe(url, timeout_s)
+        if state is EngineState.OK:
+            self._router.mark_healthy(url)
+        elif state is EngineState.DEAD:
+            self._mark_unhealthy(url, "no answer to /model_info (process gone or hung)")
+        return state
 
     async def _probe(self, url: str, timeout_s: float) -> EngineState:
-        state = await probe(self._http, url, paused=self.paused, health_timeout_s=timeout_s)
+        if url in self._paused and not self.paused:  # left paused by a continue that failed
+            await self._release([url])
+        state = await probe(self._http, url, paused=url in self._paused, health_timeout_s=timeout_s)
         if state is not EngineState.OK or self.served is None:
             return state
         try:

@@ -7,7 +7,12 @@ on a loaded engine, and on a paused engine it answers 503 after its own 20 s bou
 A short ``/health`` timeout therefore calls a paused or busy engine dead. The probe
 asks ``/model_info`` first (served by the tokenizer manager without the scheduler,
 answered while paused): no answer there means the process is gone or hung; an answer
-there plus a failed ``/health`` means busy, which is not a reason to drop it.
+there plus a failed ``/health`` on an engine we paused means busy, which is not a reason to drop it.
+
+On an engine we did not pause, a failed ``/health`` is SGLang's own verdict that the scheduler or the
+detokenizer produced nothing for 20 s (``Health check failed. Server couldn't get a response from
+detokenizer``): ``STUCK``. ``/model_info`` keeps answering then, so it alone cannot see it; the
+supervisor restarts an engine that is stuck on several probes in a row (``rollout.supervisor``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ class EngineState(enum.Enum):
     OK = "ok"
     """/health answered 200."""
     BUSY = "busy"
-    """Alive (/model_info answered) but /health did not pass: paused, loading weights or overloaded."""
+    """Alive (/model_info answered) and paused by us, so /health was not asked (it would wait 20 s and fail)."""
+    STUCK = "stuck"
+    """Alive (/model_info answered) and not paused, but /health did not pass: scheduler or detokenizer hung
+    (or, once, an engine slower than SGLang's 20 s bound)."""
     DEAD = "dead"
     """No answer at all: the process is gone, hung, or the address is wrong."""
 
@@ -38,7 +46,7 @@ def headers_for(api_key: str | None) -> dict[str, str]:
 
 async def probe(http: httpx.AsyncClient, base_url: str, *, paused: bool = False,
                 health_timeout_s: float = HEALTH_TIMEOUT_S, info_timeout_s: float = INFO_TIMEOUT_S) -> EngineState:
-    """One engine's state. ``paused``: the caller paused it, so /health (which would wait) is skipped.
+    """One engine's state. ``paused``: the caller paused it, so /health (which would wait) is skipped: BUSY.
 
     No answer on /model_info within ``info_timeout_s``: DEAD (gone or hung, e.g. SIGSTOP); /health is
     then not asked, so a hung engine costs one short bound, not SGLang's 20 s."""
@@ -54,7 +62,7 @@ async def probe(http: httpx.AsyncClient, base_url: str, *, paused: bool = False,
             return EngineState.OK
     except httpx.HTTPError:
         pass
-    return EngineState.BUSY
+    return EngineState.STUCK
 
 
 def wait_healthy(urls: Sequence[str], *, timeout_s: float, what: str = "engine", api_key: str | None = None,

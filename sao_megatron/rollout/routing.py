@@ -60,12 +60,16 @@ class LeastLoadedRouter:
         """The engine a request id was sent to (None if unknown or evicted)."""
         return self._sticky.get(rid)
 
-    def pick(self, rid: str, exclude: frozenset[str] = frozenset()) -> str:
-        """The engine for ``rid``: its sticky engine if healthy, else the least loaded healthy one."""
+    def pick(self, rid: str, exclude: frozenset[str] = frozenset(), avoid: frozenset[str] = frozenset()) -> str:
+        """The engine for ``rid``: its sticky engine if healthy, else the least loaded healthy one.
+
+        ``exclude``: never these; ``avoid``: these only when no other healthy engine is left (where an
+        earlier try of the same turn failed: its resubmission goes elsewhere if it can)."""
         sticky = self._sticky.get(rid)
-        if sticky is not None and sticky in self._healthy and sticky not in exclude:
+        if sticky is not None and sticky in self._healthy and sticky not in exclude | avoid:
             return sticky
         candidates = [u for u in self.urls if u in self._healthy and u not in exclude]
+        candidates = [u for u in candidates if u not in avoid] or candidates
         if not candidates:
             raise EngineUnavailable(f"no healthy engine left among {self.urls} (unhealthy: "
                                     f"{sorted(set(self.urls) - self._healthy)})")

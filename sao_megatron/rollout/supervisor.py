@@ -13,6 +13,13 @@ Detection. An engine is dead when its local process exited (at once), or when ``
 without the scheduler, answered while paused: ``rollout.health``) does not answer within
 ``probe_timeout_s`` on ``hang_probes`` checks in a row: a hung (e.g. SIGSTOPped) engine is found within
 ``hang_probes * (interval_s + probe_timeout_s)`` (21 s by default) and killed by its restart.
+``/model_info`` still answers when only SGLang's scheduler or detokenizer is stuck, so liveness is also
+judged the way SGLang judges it: ``/health`` (a one-token generation, 503 after SGLang's 20 s bound)
+failing on ``hang_probes`` probes in a row while the client had not paused the engine (a paused engine
+cannot pass it) is stuck: found within about ``hang_probes * (20 s + interval_s)``, restarted like a
+dead one. One /health probe is in flight per engine at a time (``RolloutClient.check_engine``, run
+beside the checks so a 20 s answer does not slow them); a passing one also routes an engine the client
+had marked unhealthy back in (continued first if a failed continue left it paused).
 
 Budget. ``restart_budget`` restarts per engine per run (a flaky host does not use up the others');
 a failed start counts. Past it the engine stays out. With no healthy engine for ``no_engine_timeout_s``,
@@ -73,6 +80,10 @@ class _Engine:
     restarts: int = 0
     silent: int = 0
     """Checks in a row without an answer."""
+    stuck: int = 0
+    """/health probes in a row that failed while the engine was not paused (scheduler or detokenizer hung)."""
+    judging: asyncio.Task | None = None
+    """The /health probe in flight (``_liveness``)."""
 
 
 class EngineSupervisor:
@@ -128,14 +139,44 @@ class EngineSupervisor:
             e.silent = 0
         if e.silent >= self.hang_probes:
             return f"no answer to /model_info on {e.silent} checks in a row (hung)"
+        self._judge(e)
+        if e.stuck >= self.hang_probes:
+            return (f"/health failed on {e.stuck} probes in a row while generation was not paused (SGLang's "
+                    "scheduler or detokenizer is stuck)")
         return ""
+
+    def _judge(self, e: _Engine) -> None:
+        """Count the verdict of ``e``'s last /health probe if it finished, and start the next one."""
+        if e.judging is not None and e.judging.done():  # never cancelled here: _take_out drops it first
+            verdict, e.judging = e.judging.result(), None
+            if verdict is not None:
+                e.stuck = 0 if verdict else e.stuck + 1
+        if e.judging is None:
+            e.judging = self._spawn(self._liveness(e.url))
+
+    async def _liveness(self, url: str) -> bool | None:
+        """True: /health passed; False: it failed on an engine not paused from start to end; None: no
+        verdict (paused by the client meanwhile, or no answer at all, which the /model_info checks judge)."""
+        pauses = self.client.num_pauses
+        try:
+            state = await self.client.check_engine(url)
+        except Exception:  # noqa: BLE001 - the watchdog must outlive one bad probe
+            logger.exception("/health probe of %s failed", url)
+            return None
+        if state is EngineState.OK:
+            return True
+        if state is EngineState.STUCK and self.client.num_pauses == pauses:
+            return False
+        return None
 
     async def _take_out(self, e: _Engine, why: str) -> None:
         logger.warning("engine %d (%s) is dead: %s; taking it out of routing", e.index, e.url, why)
         self.client.remove_engine(e.url)
         if self.router is not None:
             await self._router_call(self.router.remove, e.url)
-        e.state, e.silent = "down", 0
+        if e.judging is not None:
+            e.judging.cancel()
+        e.state, e.silent, e.stuck, e.judging = "down", 0, 0, None
 
     async def _bring_back(self, e: _Engine) -> None:
         if self.launcher is not None and e.restarts >= self.restart_budget:
@@ -179,10 +220,11 @@ class EngineSupervisor:
         except Exception as exc:  # noqa: BLE001 - the client's own list still keeps control calls right
             logger.error("router update for %s failed: %s", url, exc)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # ------------------------------------------------------------------ no engine left
     def _watch_empty(self) -> None:

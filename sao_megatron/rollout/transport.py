@@ -139,13 +139,14 @@ class EngineTransport:
         return self.check(resp, url, path, payload, expect_json)
 
     async def broadcast(self, path: str, payload: dict[str, Any] | None = None, *, method: str = "POST",
-                         expect_json: bool = False, timeout: float | None = None) -> dict[str, Any]:
-        """The same control call to every healthy engine at once; {url: reply}.
+                         expect_json: bool = False, timeout: float | None = None,
+                         urls: list[str] | None = None) -> dict[str, Any]:
+        """The same control call to every healthy engine (or to ``urls``) at once; {url: reply}.
 
         Engines that cannot be reached are marked unhealthy and skipped; any
         other error is raised after all calls finished.
         """
-        urls = self.router.healthy()
+        urls = self.router.healthy() if urls is None else urls
         if not urls:
             raise EngineUnavailable(f"{path}: no healthy engine among {list(self.router.urls)}")
         results = await asyncio.gather(

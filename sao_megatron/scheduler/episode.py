@@ -152,13 +152,16 @@ class EpisodeRunner:
     async def _turn(self, ep: Episode, context: list[int], budget: int, routes: np.ndarray | None) -> _Turn:
         out = _Turn([], [], [], "length", routes)
         failures = 0
+        failed_on: set[str] = set()  # engines that failed this turn: its resubmissions go elsewhere if they can
         while len(out.ids) < budget:
             await self.gate.wait()  # never submit while the weights are being replaced
             sampling = dataclasses.replace(self.sampling, max_new_tokens=budget - len(out.ids))
             try:
-                res = await self._generate(ep, context + out.ids, sampling)
+                res = await self._generate(ep, context + out.ids, sampling, avoid=frozenset(failed_on))
             except (EngineUnavailable, EngineTimeout) as exc:
                 failures += 1
+                if exc.url is not None:
+                    failed_on.add(exc.url)
                 await self._recover(ep, exc, failures)
                 continue
             now = time.monotonic()
@@ -179,13 +182,13 @@ class EpisodeRunner:
         out.finish_reason = "length"
         return out
 
-    async def _generate(self, ep: Episode, input_ids: list[int], sampling: SamplingParams):
+    async def _generate(self, ep: Episode, input_ids: list[int], sampling: SamplingParams, avoid: frozenset[str]):
         ep.num_requests += 1
         ep.rid = f"{ep.uid:016x}{ep.num_requests:016x}"
         ep.generating, ep.interrupted = True, False
         self.stats.request_opened(ep.rid, time.monotonic())
         try:
-            return await self.client.generate(input_ids, sampling, rid=ep.rid,
+            return await self.client.generate(input_ids, sampling, rid=ep.rid, avoid=avoid,
                                               return_routed_experts=self.return_routed_experts)
         except EngineReplyError as exc:
             if exc.status_code is not None and exc.status_code >= 500:
@@ -204,7 +207,8 @@ class EpisodeRunner:
         self.stats.add("engine_retries")
         if failures > self.max_engine_retries:
             raise EpisodeFailed(f"episode {ep.uid}: engines failed {failures} times, last: {exc}") from exc
-        logger.warning("episode %d: %s; resubmitting to a healthy engine (try %d)", ep.uid, exc, failures)
+        logger.warning("episode %d: %s; resubmitting, to another healthy engine if there is one (try %d)",
+                       ep.uid, exc, failures)
         await asyncio.sleep(self.retry_backoff_s * 2 ** (failures - 1))
         try:
             await self.client.health()

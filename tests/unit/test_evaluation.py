@@ -25,7 +25,7 @@ class _ScriptedEngine:
         self.task, self.wrong = task, wrong
         self.by_prompt = {tuple(p.input_ids): p for p in task.heldout_prompts(10_000)}
 
-    async def generate(self, input_ids, sampling, *, rid=None, return_routed_experts=False):
+    async def generate(self, input_ids, sampling, *, rid=None, return_routed_experts=False, avoid=frozenset()):
         tok = self.task.tokenizer
         for n in range(len(input_ids), 0, -1):
             p = self.by_prompt.get(tuple(input_ids[:n]))

@@ -52,7 +52,7 @@ class FakeClient:
     async def health(self):
         return {u: True for u in self.engine_urls}
 
-    async def generate(self, input_ids, sampling, *, rid=None, return_routed_experts=False):
+    async def generate(self, input_ids, sampling, *, rid=None, return_routed_experts=False, avoid=frozenset()):
         self.num_requests += 1
         self.open += 1
         self.inputs.append(list(input_ids))
