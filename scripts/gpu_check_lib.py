@@ -86,6 +86,9 @@ class Context:
     """time.monotonic() at which the whole budget is spent."""
     timeout_s: float = 60.0
     """The current check's own limit (set before each check, already scaled)."""
+    check_deadline: float = float("inf")
+    """time.monotonic() at which the current check's limit is spent: all its commands together
+    stay within it (set before each check)."""
     timeout_scale: float = 1.0
     """``--timeout-scale``: every per-check and per-command limit is multiplied by it."""
     require_te: bool = True
@@ -95,7 +98,8 @@ class Context:
     """What the env check found (GPU count, versions) for the checks after it."""
 
     def left(self) -> float:
-        return self.deadline - time.monotonic()
+        """Seconds left to the current check: its own limit or the whole budget, whichever ends first."""
+        return min(self.deadline, self.check_deadline) - time.monotonic()
 
     @property
     def gpu(self) -> bool:
@@ -436,6 +440,38 @@ def check_bench_logprobs(ctx: Context) -> list[Line]:
                  f"{c['fwd_bwd_ms']:.1f} ms ({c['fwd_bwd_ms'] / g['fwd_bwd_ms']:.0f}x); {gpu['device']} peak extra "
                  f"{g['peak_extra_mib']:.0f} MiB vs {go['peak_extra_mib']:.0f} MiB unchunked; agrees with the "
                  f"unchunked version: {gpu['agree']}")]
+
+
+MFU_TARGET = 0.25
+"""Issue 37's goal for the actor step on one H200 (local spec, no TE, 2048-token sequences): a number
+the INFO line compares with, not a verdict (Megatron pre-training with TE reaches 24-31 % on H100)."""
+
+
+def train_step_lines(res: dict) -> list[Line]:
+    """INFO lines of benchmarks/train_step.py: one per role, the HF eager ratio on the actor's."""
+    lines = []
+    for role in ("actor", "critic"):
+        r = res[role]
+        mfu = (f"MFU {100 * r['mfu']:.1f} % (target {100 * MFU_TARGET:.0f} %: {'met' if r['mfu'] >= MFU_TARGET else 'NOT met'})"
+               if r["mfu"] is not None else "MFU n/a (no dense bf16 peak for this device)")
+        mem = f"peak {r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else "peak memory n/a on CPU"
+        shares = " ".join(f"{p} {100 * v:.0f}%" for p, v in r["share"].items())
+        detail = (f"{res['shape']} ({r['params_total'] / 1e6:.0f}M params, {r['params_active'] / 1e6:.0f}M in matmuls "
+                  f"a token), {res['microbatches']}x{res['seq_len']} tokens bf16 on {res['device_name']}: "
+                  f"{1e3 * r['step_s']:.0f} ms a step, {r['tokens_per_s']:.0f} tok/s, {r['tflops']:.3g} TFLOP/s, "
+                  f"{mfu}, {mem}; {shares}")
+        if role == "actor" and "hf_actor" in res:
+            detail += f"; {res['hf_actor']['step_s'] / r['step_s']:.2f}x HF transformers eager's throughput"
+        lines.append(Line("INFO", f"bench train-step {role}", detail))
+    return lines
+
+
+def check_bench_train_step(ctx: Context) -> list[Line]:
+    """The ~1B MoE's actor and critic step on the GPU (the tiny shape on the CPU): INFO, or FAIL if it broke."""
+    device = GPU_DEVICE if ctx.gpu else "cpu"
+    args = ("--shape", "1b", "--warmup", "2", "--steps", "3") if ctx.gpu else (
+        "--shape", "tiny", "--warmup", "1", "--steps", "2")
+    return train_step_lines(_bench(ctx, "bench-train-step", "benchmarks/train_step.py", device, *args))
 
 
 def check_limits(ctx: Context) -> list[Line]:

@@ -151,8 +151,8 @@ def test_trainer_path_imports_and_gae_runs_without_numba():
 @pytest.mark.slow
 @pytest.mark.timeout(3800)  # the script bounds itself (--budget-s); on a shared 2-core box it takes 10-20 min
 def test_gpu_check_cpu_mode_end_to_end(tmp_path):
-    """``gpu_check.sh --cpu``: the real SAO run, parity gate, weight sync and benchmarks on CPU;
-    GPU-only checks are N/A (not applicable on CPU), never SKIP."""
+    """``gpu_check.sh --cpu``: the real SAO run, parity gate, weight sync, DSA in bf16 and benchmarks
+    on CPU; GPU-only checks are N/A (not applicable on CPU), never SKIP."""
     out = tmp_path / "out"
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu", "--python", sys.executable,
                            "--target", str(tmp_path / "site"), "--out", str(out)],
@@ -162,8 +162,10 @@ def test_gpu_check_cpu_mode_end_to_end(tmp_path):
     printed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASS", "FAIL", "SKIP", "N/A", "INFO"))]
     assert len(printed) == len(summary["lines"]), proc.stdout
     assert proc.returncode == 0 and summary["failed"] == 0, proc.stdout[-4000:]
-    for name in ("env", "sao-run", "parity", "weight-sync"):
+    for name in ("env", "sao-run", "parity", "weight-sync", "dsa-bf16"):
         assert status[name]["status"] == "PASS", status[name]
+    for name in ("bench train-step actor", "bench train-step critic"):  # the tiny shape, beside HF eager
+        assert status[name]["status"] == "INFO" and "TFLOP/s" in status[name]["detail"], status[name]
     for name in ("gpu-tests", "tp2-ep2", "dsa-topk", "memory-vs-plan", "bench-gae", "bench-logprobs",
                  "one-gpu-limits"):
         assert status[name]["status"] == gpu_check_lib.NA, status[name]

@@ -270,3 +270,32 @@ def test_tp2_ep2_is_not_applicable_below_two_gpus_and_uses_nccl_with_two(tmp_pat
     two = _Recording(mode="gpu", out=tmp_path, deadline=time.monotonic() + 60, info={"gpus": 2})
     assert multi.check_tp_ep_layouts(two)[0].status == "FAIL"  # the recorded reference "failed"
     assert "torch.distributed.run" in two.info["commands"][0][1]
+
+
+def test_a_checks_timeout_covers_all_its_commands_together(tmp_path):
+    """bench-logprobs took 19 s against its 14 s timeout on the first H200 run: each command got the
+    check's whole limit. Two 1.2 s commands in a check of 2 s: the second is cut."""
+    sleep = [sys.executable, "-c", "import time; time.sleep(1.2)"]
+    check = gpu_check.Check(name="two", run=lambda ctx: [ctx.run("a", sleep), ctx.run("b", sleep)] and [],
+                            timeout_s={"gpu": 2, "cpu": 2})
+    ctx = lib.Context(mode="gpu", out=tmp_path, deadline=time.monotonic() + 1e4)
+    (line,) = gpu_check.run_check(check, ctx)
+    assert line.status == "FAIL" and "timed out" in line.detail, line.text()
+
+
+TRAIN_STEP = {"shape": "1b", "microbatches": 8, "seq_len": 2048, "device_name": "NVIDIA H200",
+              "hf_actor": {"step_s": 3.0}}
+ROLE = {"params_total": 1.1e9, "params_active": 4.0e8, "step_s": 1.0, "tokens_per_s": 16384.0, "tflops": 300.0,
+        "mfu": 0.3, "peak_mem_gib": 40.0, "share": {"forward": 0.3, "backward": 0.5, "grad_reduce": 0.05,
+                                                     "optimizer": 0.1, "other": 0.05}}
+
+
+def test_train_step_lines_are_info_with_mfu_against_the_target_and_the_hf_ratio():
+    lines = lib.train_step_lines(TRAIN_STEP | {"actor": ROLE, "critic": ROLE | {"mfu": 0.1}})
+    assert [(ln.status, ln.name) for ln in lines] == [("INFO", "bench train-step actor"),
+                                                      ("INFO", "bench train-step critic")]
+    assert "MFU 30.0 % (target 25 %: met)" in lines[0].detail and "3.00x HF transformers" in lines[0].detail
+    assert "target 25 %: NOT met" in lines[1].detail and "HF" not in lines[1].detail
+    cpu = lib.train_step_lines(TRAIN_STEP | {"actor": ROLE | {"mfu": None, "peak_mem_gib": None},
+                                             "critic": ROLE})
+    assert "MFU n/a" in cpu[0].detail and "peak memory n/a on CPU" in cpu[0].detail
