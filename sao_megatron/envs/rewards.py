@@ -15,12 +15,14 @@ import functools
 import logging
 import math
 import multiprocessing as mp
+import os
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sao_megatron.config.schema import RewardPhase
+from sao_megatron.parallel.launcher_env import is_launcher_variable
 
 logger = logging.getLogger(__name__)
 # The modules holding the task reward functions: the fork server preloads them so each worker forks
@@ -44,6 +46,10 @@ class RewardOutcome:
 
 
 def _worker_main(conn) -> None:
+    # A worker is no rank of the trainer's world: the launcher's variables it inherited through the
+    # fork server go (multiprocessing passes no environment of its own to a child).
+    for name in [k for k in os.environ if is_launcher_variable(k)]:
+        del os.environ[name]
     # The task reward functions' modules, imported before timing starts (not the envs package, which
     # imports this module).
     from sao_megatron.envs import arithmetic, code_task, math_task, tool_chain, tools  # noqa: F401

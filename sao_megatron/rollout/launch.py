@@ -23,14 +23,16 @@ import httpx
 
 from sao_megatron.config.schema import RolloutConfig
 from sao_megatron.net import free_port
+from sao_megatron.parallel.launcher_env import child_env
 from sao_megatron.rollout.health import wait_healthy
 
 logger = logging.getLogger(__name__)
 
 
 def _offline_env() -> dict[str, str]:
-    """The environment for child processes: no hub downloads, no proxies for loopback traffic."""
-    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
+    """The environment for child processes: not the trainer's launcher variables (an engine is no rank
+    of the trainer's world), no hub downloads, no proxies for loopback traffic."""
+    env = {k: v for k, v in child_env().items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
     return env
 

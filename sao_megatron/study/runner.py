@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sao_megatron.parallel.launcher_env import child_env
 from sao_megatron.study.spec import Plan, PlannedRun, PlannedWarmup
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def warmup_command(plan: Plan, warmup: PlannedWarmup) -> list[str]:
 
 
 def _child_env(jobs: int) -> dict[str, str]:
-    env = dict(os.environ)
+    env = child_env()  # each run is a world of its own: no launcher variables of ours (e.g. one MASTER_PORT)
     # Parallel runs share the cores: without a cap each one's torch would start a thread per core.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
     return env
