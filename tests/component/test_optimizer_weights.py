@@ -5,16 +5,20 @@ One subprocess (mp_scripts/optimizer_weights.py), with the plain and the distrib
   or ``critic.init_from``) survive the first bf16 step: Megatron's bf16 optimizers copy fp32 master
   weights when they are built and write them back into the model at every step;
 - a resumed run's Adam state and weights equal those of the same run without the interruption.
+And `sao-megatron sft` starts from ``model.hf_dir`` (it trained the random init before).
 """
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
-from megatron_launch import run_json
+from megatron_launch import launch, run_json
 
 pytestmark = pytest.mark.component
 
 TINY_LR = 1e-12
+REPO = pathlib.Path(__file__).resolve().parents[2]
 OPTIMIZERS = ["plain", "distributed"]
 CASES = ["actor_from_hf_dir", "actor_from_load", "critic_from_actor", "critic_from_checkpoint"]
 
@@ -52,3 +56,17 @@ def test_resumed_adam_state_equals_an_uninterrupted_run(results, opt, dtype):
     # bf16 model weights exactly; one process, deterministic CPU kernels): equal, not close.
     for key in ("exp_avg", "exp_avg_sq", "master", "weights"):
         assert r[key] == 0.0, (key, r)
+
+
+def test_sft_verb_starts_from_model_hf_dir(tmp_path):
+    config = str(REPO / "configs" / "experiments" / "tiny_cpu.yaml")
+    bf16 = ["model.params_dtype=bf16"]
+    run_json("sft_handoff.py", tmp_path, "write", config, *bf16, light_main=True)
+    sets = [*bf16, f"model.hf_dir={tmp_path / 'hf'}", "run.sft_steps=1", f"run.sft_lr={TINY_LR}"]
+    launch(["sao_megatron.cli", "sft", "--config", config, "--run-dir", tmp_path / "run",
+            *[a for s in sets for a in ("--set", s)]], module=True, cwd=REPO, timeout=600)
+    r = run_json("sft_handoff.py", tmp_path, "compare", config, *bf16, light_main=True)
+    assert r["num_params"] > 10 and r["init_vs_written_min"] > 1e-3
+    # One warm-up step at lr 1e-12 moves no weight by more than 1e-12 (the bound above), so the saved
+    # actor is the HF dir's weights. Old code: the verb ignored model.hf_dir and saved the random init.
+    assert r["saved_vs_written"] <= 2 * TINY_LR, r

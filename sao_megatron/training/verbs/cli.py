@@ -57,8 +57,7 @@ def _run_sft(args: argparse.Namespace) -> int:
     from sao_megatron.config import load_config, write_resolved
     from sao_megatron.parallel.bootstrap import destroy
     from sao_megatron.training.run.checkpoint import save_checkpoint
-    from sao_megatron.training.run.components import build_components
-    from sao_megatron.training.step.sft import supervised_warmup
+    from sao_megatron.training.run.components import build_components, initial_weights
 
     cfg = load_config(args.config, args.overrides)
     if cfg.run.sft_steps < 1:
@@ -68,8 +67,8 @@ def _run_sft(args: argparse.Namespace) -> int:
     try:
         if dist.get_rank() == 0:
             write_resolved(cfg, run_dir)
-        supervised_warmup(c.actor, c.task, c.ctx, run=cfg.run, model=cfg.model,
-                          max_tokens=cfg.actor.max_tokens_per_microbatch)
+        # As train starts: from actor.load or model.hf_dir (else the random init), then run.sft_steps.
+        initial_weights(c, cfg)
         out = run_dir / "sft_actor"
         save_checkpoint(out, c.actor.chunks)
         log.info("actor after supervised warm-up -> %s (use --set actor.load=%s)", out, out)
