@@ -18,6 +18,8 @@ per micro-batch, then ``config.finalize_model_grads_func`` (gradient reduction o
 embedding/norm syncs), then the trainer calls ``optimizer.step()`` (grad norm, clipping, Adam,
 master -> model copy). Each is bracketed by CUDA events (wall clock on the CPU); the rest of the
 step (zeroing grads, the loss all-reduce, the LR schedule) is ``other``. The shares add up to 1.
+Peak memory (CUDA) is the process's over the timed steps, with both roles' weights, gradients and
+optimizer states resident, as in the trainer (no offloading).
 
 FLOPs (model FLOPs, counted from the built model's parameters, not from a config formula):
 ``N_fwd`` = every matmul weight a token passes through, routed experts weighted by top-k / experts,
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import itertools
 import json
 import pathlib
@@ -310,7 +313,10 @@ def run_hf(args, cfg, device: torch.device, flops_actor: FlopCount, peak: float 
 
     from sao_megatron.models.families import hf_config_from_model
 
-    hf = dict(hf_config_from_model(cfg.model))
+    gc.collect()  # the project's models are gone: the peak memory below is the baseline's own
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    hf = dict(hf_config_from_model(cfg.model), use_cache=False)  # training: no KV cache
     hf_config = AutoConfig.for_model(hf.pop("model_type"), **hf)
     torch.manual_seed(0)
     with device:  # initialised where it trains (1B random weights on the host take a while)

@@ -1,8 +1,8 @@
 """GPU only: the Transformer Engine spec path, grouped-GEMM experts included, against the local spec.
 
 Runs tests/component/mp_scripts/te_vs_local.py (tiny MoE: TE model saved, loaded into the local
-model). gpu_check.sh requires TE on a GPU (SAO_GPU_CHECK_REQUIRE_TE=1, unless --no-te): then a
-node without TE FAILS here instead of skipping.
+model). gpu_check.sh requires TE on a GPU (SAO_GPU_CHECK_REQUIRE_TE=1): then a node without TE
+FAILS here instead of skipping; with --no-te it does not run this file at all (and says so).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def te_vs_local(tmp_path_factory):
     if importlib.util.find_spec("transformer_engine") is None:
         if os.environ.get("SAO_GPU_CHECK_REQUIRE_TE") == "1":
             pytest.fail("Transformer Engine is required (gpu_check.sh default on a GPU) but not installed")
-        pytest.skip("Transformer Engine is not installed (gpu_check.sh --no-te)")
+        pytest.skip("Transformer Engine is not installed (gpu_check.sh --no-te leaves this file out)")
     return run_json("te_vs_local.py", tmp_path_factory.mktemp("te_vs_local"), timeout=600)
 
 
