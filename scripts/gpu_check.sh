@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU acceptance check: prove the production path (Megatron on CUDA with Transformer Engine, bf16,
-# distributed optimizer, TP2/EP2, embedded engine, weight sync, parity gate, DSA top-k, memory vs
-# plan) within 8 minutes on one GPU. Every check PASSes having exercised what its name says, or FAILs.
+# distributed optimizer, TP2/EP2 with 2 GPUs, embedded engine, weight sync, parity gate, DSA top-k and
+# bf16, memory vs plan) and measure the training step's MFU within 8 minutes on one GPU. Every check
+# PASSes having exercised what its name says, FAILs, or says why this node cannot make it (N/A).
 #
 #   bash scripts/gpu_check.sh [--wheels DIR] [--cpu] [--python PY] [--target DIR] [--budget-s S]
 #                             [--only NAME[,NAME...]] [--out DIR] [--allow-skip NAME]... [--no-te]
@@ -13,7 +14,7 @@
 # --allow-skip NAME  accept SKIPs of this check (or line); without it a SKIP is a FAIL. Allowed
 #               SKIPs are counted and named in the summary line.
 # --require-te  (the default on a GPU) Transformer Engine must be usable and its spec path, grouped
-#               experts included, must run; --no-te checks the local specs only and says so.
+#               experts included, must run; --no-te runs no TE test and the summary names them.
 # --python PY   the interpreter whose torch (>= 2.6) has CUDA (default: the first of $PYTHON,
 #               python3, python that has one; with --cpu the first with torch).
 # --target DIR  where missing packages go (default ~/.cache/sao-megatron/gpu-check-<python tag>).
@@ -43,7 +44,7 @@ while [[ $# -gt 0 ]]; do
     --require-te) TE=require; shift ;;
     --no-te) TE=off; shift ;;
     --list) PASS_ARGS+=("$1"); shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
