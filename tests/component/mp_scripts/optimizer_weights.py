@@ -41,11 +41,11 @@ def lse_loss(out, mb):
 
 def params(chunks, *, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """Parameters by name in fp32, without the vocabulary's padding rows (no HF checkpoint holds them)."""
+    from sao_megatron.models.critic import is_critic
+
     def rows(name: str) -> slice:
         vocab_sized = "word_embeddings." in name or ("output_layer." in name and not is_critic(chunks[0]))
         return slice(TINY["vocab_size"] if vocab_sized else None)
-
-    from sao_megatron.models.critic import is_critic
 
     return {n: p.detach().float()[rows(n)].clone() for n, p in chunks[0].named_parameters()
             if not any(s in n for s in skip)}
