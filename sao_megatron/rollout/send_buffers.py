@@ -54,12 +54,28 @@ class SendBuffers:
             self.bufs[slot] = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
             self.bufs[slot] = torch.empty(nbytes, dtype=torch.uint8)
         parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-        return Flat(bucket, nbytes, torch.cat(parts, out=self.bufs[slot][:nbytes]), slot)
+        return Flat(bucket, nbytes, _pack(parts, self.bufs[slot][:nbytes]), slot)
 
     def drop(self, flat: Flat) -> None:
         """Never write into ``flat``'s buffer again (an abandoned send may still read it)."""
         if flat.slot is not None:
             self.bufs[flat.slot] = torch.empty(0, dtype=torch.uint8)
+
+
+def _pack(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``parts`` (uint8, 1-D) back to back in ``out`` (uint8, [sum of their sizes]), wherever they live.
+
+    ``torch.cat(out=)`` refuses parts on another device than ``out`` (CUDA weights over gloo with
+    ``overlap_weight_push=false``): those are copied one by one into their slices, each straight
+    from the device into the buffer, so no part is staged twice.
+    """
+    if all(p.device == out.device for p in parts):
+        return torch.cat(parts, out=out)
+    offset = 0
+    for p in parts:
+        out[offset:offset + p.numel()].copy_(p)
+        offset += p.numel()
+    return out
 
 
 def smallest_alone(bucket: NamedTensors, best: tuple[str, torch.Tensor] | None) -> tuple[str, torch.Tensor] | None:
