@@ -331,13 +331,10 @@ def _shim_dist_optimizer_step_state() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     orig = DistributedOptimizer._set_main_param_and_optimizer_states
-    if getattr(orig, _MARK, False):
-        return
+    orig_load = DistributedOptimizer.load_state_dict
 
     def set_states(self, model_param, tensors):
         return orig(self, model_param, {"step": None, **tensors})
-
-    orig_load = DistributedOptimizer.load_state_dict
 
     def load_state_dict(self, state_dict):
         orig_load(self, state_dict)
@@ -345,10 +342,10 @@ def _shim_dist_optimizer_step_state() -> None:
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
 
-    for fn in (set_states, load_state_dict):
-        setattr(fn, _MARK, True)
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
-    DistributedOptimizer.load_state_dict = load_state_dict
+    for name, fn in (("_set_main_param_and_optimizer_states", set_states), ("load_state_dict", load_state_dict)):
+        if not getattr(getattr(DistributedOptimizer, name), _MARK, False):  # each once (tests undo them apart)
+            setattr(fn, _MARK, True)
+            setattr(DistributedOptimizer, name, fn)
 
 
 def apply_optimizer_shims() -> bool:

@@ -29,6 +29,8 @@ def recorded_step_state(monkeypatch):
     seen: list[dict] = []
     monkeypatch.setattr(DistributedOptimizer, "_set_main_param_and_optimizer_states",
                         lambda self, param, tensors: seen.append(tensors))
+    # The shim also wraps load_state_dict (per-parameter `step` copies): undone after the test too.
+    monkeypatch.setattr(DistributedOptimizer, "load_state_dict", DistributedOptimizer.load_state_dict)
     monkeypatch.setattr(cpu_support, "_SKIPPED", set(), raising=False)
     return DistributedOptimizer, seen
 
