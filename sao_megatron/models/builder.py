@@ -19,6 +19,7 @@ from megatron.core.transformer import TransformerConfig
 from sao_megatron.config.schema import ModelConfig, ParallelConfig
 from sao_megatron.models.arch import VOCAB_DIVISIBLE_BY, padded_vocab_size  # noqa: F401 (VOCAB_: re-exported)
 from sao_megatron.models.specs import decoder_block_spec, transformer_engine_usable
+from sao_megatron.parallel.cpu_support import apply_dsa_hadamard_fallback
 
 if TYPE_CHECKING:
     from sao_megatron.parallel.bootstrap import ParallelContext
@@ -190,12 +191,20 @@ def build_model_chunks(model: ModelConfig, ctx: ParallelContext, *, value_head: 
     use_te = transformer_engine_usable(ctx.device) if use_te is None else use_te
     config = build_transformer_config(model, ctx.parallel, use_te=use_te, recompute=recompute,
                                       on_cpu=ctx.device.type == "cpu")
+    if model.experimental_attention_variant == "dsa":
+        apply_dsa_hadamard_fallback(ctx.device)
     if value_head and getattr(config, "dsa_indexer_loss_coeff", None):
         config.dsa_indexer_loss_coeff = None  # the critic's attention (indexer included) is frozen: no KL loss
     stages = [None] if ctx.vpp_size is None or ctx.pp_size == 1 else list(range(ctx.vpp_size))
     chunks = [build_gpt_model(model, ctx, vp_stage=s, value_head=value_head, config=config, use_te=use_te)
               for s in stages]
-    check_on_device(chunks, place_on_device(chunks, ctx.device))
+    if torch.get_default_device().type == "meta":
+        # A parameter-counting build (planning): nothing to move. Its buffers may lie elsewhere: megatron
+        # creates the router's token counts and the rotary caches with an explicit device, which beats
+        # the default device.
+        check_on_device(chunks, torch.device("meta"), buffers=False)
+    else:
+        check_on_device(chunks, place_on_device(chunks, ctx.device))
     if value_head or not model.dsa_indexer_loss_coeff:  # trained only by its KL loss, in the actor
         freeze_dsa_indexer(chunks)
     return chunks
@@ -206,14 +215,10 @@ def place_on_device(chunks: list[torch.nn.Module], device: torch.device) -> torc
     (``module.cuda(torch.cuda.current_device())``); returns the device its tensors must now be on.
 
     Megatron leaves some tensors for this move on purpose: ``TopKRouter`` creates its weight without
-    a device ("TODO: Add support for GPU initialization"). A build under ``torch.device("meta")``
-    (parameter counting, planning: no storage) is not moved and must stay entirely on ``meta``.
-    Parameters keep their Python attributes (Megatron's tensor-parallel, sequence-parallel and
-    expert tags) also where torch converts by making new Parameters instead of setting ``.data``
-    (e.g. CPU -> meta under the ``CudaToMetaMode`` emulation).
+    a device ("TODO: Add support for GPU initialization"). Parameters keep their Python attributes
+    (Megatron's tensor-parallel, sequence-parallel and expert tags) also where torch converts by making
+    new Parameters instead of setting ``.data`` (e.g. CPU -> meta under the ``CudaToMetaMode`` emulation).
     """
-    if torch.get_default_device().type == "meta":
-        return torch.device("meta")
     for chunk in chunks:
         tags = {name: dict(vars(p)) for name, p in chunk.named_parameters() if vars(p)}
         chunk.to(device=device)
@@ -226,19 +231,20 @@ def place_on_device(chunks: list[torch.nn.Module], device: torch.device) -> torc
     return torch.empty(0, device=device).device
 
 
-def check_on_device(chunks: list[torch.nn.Module], device: torch.device) -> None:
+def check_on_device(chunks: list[torch.nn.Module], device: torch.device, *, buffers: bool = True) -> None:
     """Every parameter and buffer on ``device`` (type and index: ``cuda:1`` is not ``cuda:0``), or a
     clear error naming the first one that is not: a tensor elsewhere would fail only at the first
-    forward, or silently run a layer on the CPU. No buffer is exempt: after ``place_on_device`` no
+    forward, or silently run a layer on the CPU. No buffer is exempt after ``place_on_device``: no
     megatron-core 0.19.2 module keeps one on the CPU for the families we build (tests/component/
-    test_device_placement.py builds each of them with CUDA placements mapped to ``meta``)."""
+    test_device_placement.py builds each of them with CUDA placements mapped to ``meta``).
+    ``buffers=False``: parameters only (a meta build, see ``build_model_chunks``)."""
     for chunk in chunks:
         tensors = [("parameter", n, t) for n, t in chunk.named_parameters()]
-        tensors += [("buffer", n, t) for n, t in chunk.named_buffers()]
+        tensors += [("buffer", n, t) for n, t in chunk.named_buffers()] if buffers else []
         for kind, name, t in tensors:
             if t.device != device:
-                raise RuntimeError(f"model {kind} {name} is on {t.device}, the run trains on {device}: a module "
-                                   "created it elsewhere and place_on_device did not move it (a module that "
+                raise RuntimeError(f"model {kind} {name} is on {t.device}, the model belongs on {device}: a module "
+                                   "created it elsewhere and nothing moved it (place_on_device; a module that "
                                    "overrides _apply/to, or a tensor created after the build)")
 
 

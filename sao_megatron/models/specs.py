@@ -50,9 +50,10 @@ def init_device(config: TransformerConfig) -> torch.device:
     """Where a module built outside Megatron's own layers must create its parameters: Megatron's
     convention (``use_cpu_initialization`` on CPU machines, else the current CUDA device). Modules
     created on the CPU on a GPU node reach the device only through the distributed optimizer's
-    buffers, if at all, and the first forward fails."""
+    buffers, if at all, and the first forward fails. With ``use_cpu_initialization`` megatron's
+    layers take torch's default device (the CPU; ``meta`` in a parameter-counting build), so do we."""
     if config.use_cpu_initialization:
-        return torch.device("cpu")
+        return torch.get_default_device()
     return torch.device("cuda", torch.cuda.current_device())
 
 

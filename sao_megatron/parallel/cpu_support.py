@@ -374,7 +374,10 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
     if d < 1 or d & (d - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two last dimension, got {d} (dsa_indexer_head_dim)")
-    y, half = x.reshape(-1, d), 1
+    # 16-bit inputs are rotated in fp32 and rounded once, as the kernel does: log2(d) butterfly
+    # stages in bf16 would round log2(d) times.
+    work = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    y, half = x.reshape(-1, d).to(work), 1
     while half < d:  # butterflies: pairs (i, i + half) inside blocks of 2 * half
         blocks = y.view(-1, d // (2 * half), 2, half)
         y = torch.stack((blocks[:, :, 0] + blocks[:, :, 1], blocks[:, :, 0] - blocks[:, :, 1]), dim=2).view(-1, d)
@@ -388,11 +391,46 @@ def _shim_dsa_hadamard() -> None:
     Without it: every DSA layer's forward fails in ``dsa.rotate_activation`` ("only support bf16
     input", then "fast_hadamard_transform is not installed"). The rotation is orthonormal and applied
     to both indexer q and k, so the scores q.k (and the top-k) are those of transformers' indexer,
-    which does not rotate. On GPUs the ``fast-hadamard-transform`` package is part of the image.
+    which does not rotate. CUDA nodes without the kernel get the same fallback from the model
+    builder (``apply_dsa_hadamard_fallback``).
     """
     from megatron.core.transformer.experimental_attention_variant import dsa
 
     dsa.rotate_activation = hadamard_rotate
+
+
+def hadamard_fallback_needed(device: torch.device, *, kernel_importable: bool) -> bool:
+    """Whether DSA's indexer rotation must run in pure torch (``hadamard_rotate``) on ``device``.
+
+    Megatron's ``rotate_activation`` asserts the ``fast_hadamard_transform`` kernel: CUDA only, and an
+    optional package (an sdist that needs nvcc; ``gpu_wheels.sh --no-optional`` leaves it out).
+    """
+    return device.type != "cuda" or not kernel_importable
+
+
+def apply_dsa_hadamard_fallback(device: torch.device) -> bool:
+    """Megatron's DSA ``rotate_activation`` -> ``hadamard_rotate`` wherever ``hadamard_fallback_needed``
+    (the CPU, or a CUDA node without the kernel); True when the fallback is in place. Idempotent, logged
+    once per process; only for the audited megatron-core versions (it replaces a module function).
+    """
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    needed = hadamard_fallback_needed(device, kernel_importable=dsa.hadamard_transform is not None)
+    if not needed or "dsa_hadamard" in _SKIPPED:  # skipped: the CPU-shim necessity tests
+        return False
+    if dsa.rotate_activation is hadamard_rotate:
+        return True
+    version = megatron_version()
+    if version not in SUPPORTED_MEGATRON_VERSIONS:
+        raise MegatronVersionError(
+            f"fast_hadamard_transform is not importable on {device}, and the pure-torch DSA indexer rotation "
+            f"that replaces it was verified against megatron-core {', '.join(SUPPORTED_MEGATRON_VERSIONS)}, not "
+            f"{version}. Fix: install fast-hadamard-transform (`pip install fast-hadamard-transform`, needs "
+            f"nvcc), or megatron-core=={SUPPORTED_MEGATRON_VERSIONS[-1]}")
+    dsa.rotate_activation = hadamard_rotate
+    logger.warning("fast_hadamard_transform is not importable on %s: the DSA indexer's Hadamard rotation runs "
+                   "in pure torch (cpu_support.hadamard_rotate, fp32 inside, same result)", device)
+    return True
 
 
 SHIMS: dict[str, Callable[[], None]] = {

@@ -4,7 +4,7 @@ On the first GPU run every model build failed: megatron's ``TopKRouter`` creates
 the CPU and relies on ``get_model`` moving each chunk to the device, which the project never did.
 The CPU emulation could not see it (``CudaToCpuMode`` maps CUDA to the CPU, where the weight
 already was). mp_scripts/device_placement.py builds every family (Qwen3-MoE, GLM-4.5-like, GLM-5
-with MLA + DSA; actor and critic) as on a CUDA node (``use_cpu_initialization`` off) under
+with MLA + DSA; actor and critic; bf16) as on a CUDA node (``use_cpu_initialization`` off) under
 ``CudaToMetaMode``: every parameter and buffer must land on ``meta``, none stay on the CPU.
 """
 
@@ -55,6 +55,9 @@ def test_moe_forward_on_the_device_stops_only_where_values_are_read(placement, b
 @pytest.mark.parametrize("build", BUILDS)
 def test_batch_path_and_forward_schedule_stay_on_the_device(placement, build):
     """Dense variant (no dispatch): prepare_batch(device=ctx.device) then Megatron's forward schedule
-    (compute_logprobs for the actor, compute_values for the critic) give [4, 7] outputs on ``meta``."""
+    (compute_logprobs for the actor, compute_values for the critic) give [4, 7] fp32 outputs on ``meta``.
+    For GLM-5 this runs the DSA indexer with megatron's own rotate_activation in place, as on a CUDA node
+    without fast_hadamard_transform: the builder must put the pure-torch rotation in (defect 7)."""
     dense = placement[build]["dense"]
-    assert dense == {"batch_devices": ["meta"], "output_devices": ["meta"], "output_shapes": [[4, 7]]}
+    assert dense == {"batch_devices": ["meta"], "output_devices": ["meta"], "output_dtypes": ["torch.float32"],
+                     "output_shapes": [[4, 7]]}

@@ -179,12 +179,21 @@ def test_init_device_follows_megatron_use_cpu_initialization(monkeypatch):
     assert init_device(SimpleNamespace(use_cpu_initialization=False)) == torch.device("cuda", 3)
 
 
+def test_init_device_follows_a_meta_build():
+    """Failed before: a parameter-counting build under torch.device("meta") allocated our norms and the DSA
+    indexer's projections on the CPU (megatron's own layers take the default device)."""
+    from sao_megatron.models.specs import init_device
+
+    with torch.device("meta"):
+        assert init_device(SimpleNamespace(use_cpu_initialization=True)) == META
+
+
 def test_a_parameter_off_the_device_is_a_clear_error():
     from sao_megatron.models.builder import check_on_device
 
     chunk = torch.nn.Linear(2, 2)
     check_on_device([chunk], torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="parameter weight is on cpu, the run trains on meta"):
+    with pytest.raises(RuntimeError, match="parameter weight is on cpu, the model belongs on meta"):
         check_on_device([chunk], META)
 
 
@@ -195,8 +204,9 @@ def test_a_buffer_off_the_device_is_an_error_too():
     with torch.device("meta"):
         chunk = torch.nn.Linear(2, 2)
     chunk.register_buffer("expert_bias", torch.zeros(2))
-    with pytest.raises(RuntimeError, match="buffer expert_bias is on cpu, the run trains on meta"):
+    with pytest.raises(RuntimeError, match="buffer expert_bias is on cpu, the model belongs on meta"):
         check_on_device([chunk], META)
+    check_on_device([chunk], META, buffers=False)  # a meta (parameter-counting) build checks parameters only
 
 
 def test_the_device_index_counts():
@@ -206,7 +216,7 @@ def test_the_device_index_counts():
     on_gpu1 = SimpleNamespace(device=torch.device("cuda", 1))
     chunk = SimpleNamespace(named_parameters=lambda: [("w", on_gpu1)], named_buffers=lambda: [])
     check_on_device([chunk], torch.device("cuda", 1))
-    with pytest.raises(RuntimeError, match="parameter w is on cuda:1, the run trains on cuda:0"):
+    with pytest.raises(RuntimeError, match="parameter w is on cuda:1, the model belongs on cuda:0"):
         check_on_device([chunk], torch.device("cuda", 0))
 
 
@@ -221,16 +231,6 @@ def test_place_on_device_moves_parameters_and_buffers_and_keeps_megatron_tags():
     check_on_device([chunk], META)
     assert (chunk.weight.tensor_model_parallel, chunk.weight.partition_dim) == (True, 0)
     assert not hasattr(chunk.bias, "partition_dim")
-
-
-def test_a_meta_build_is_not_moved():
-    """Parameter counting builds under torch.device("meta"): nothing to move, and it must stay there."""
-    from sao_megatron.models.builder import place_on_device
-
-    with torch.device("meta"):
-        chunk = torch.nn.Linear(2, 2)
-        assert place_on_device([chunk], torch.device("cpu")) == META
-    assert chunk.weight.device == META
 
 
 # ---------------------------------------------------------------- 4. resources.device

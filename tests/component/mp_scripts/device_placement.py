@@ -31,16 +31,17 @@ from sao_megatron.training.step.forward import compute_logprobs, compute_values
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 META = torch.device("meta")
+BF16 = {"params_dtype": "bf16"}  # as GPU runs train
 FAMILIES = {
-    "tiny_moe": load_config(ROOT / "configs/models/tiny_moe.yaml").model,
+    "tiny_moe": dataclasses.replace(load_config(ROOT / "configs/models/tiny_moe.yaml").model, **BF16),
     # GLM-4.5-like: a dense first layer, shared experts, sigmoid router with expert bias, QKV bias.
     "glm45_like": ModelConfig(
         family="glm4_moe", num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
         num_query_groups=2, kv_channels=8, num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
         moe_shared_expert_intermediate_size=24, moe_layer_freq=[0, 1], moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5, add_qkv_bias=True,
-        rotary_percent=0.5, vocab_size=100, max_position_embeddings=64),
-    "tiny_glm5": load_config(ROOT / "configs/models/tiny_glm5.yaml").model,  # MLA + DSA
+        rotary_percent=0.5, vocab_size=100, max_position_embeddings=64, **BF16),
+    "tiny_glm5": dataclasses.replace(load_config(ROOT / "configs/models/tiny_glm5.yaml").model, **BF16),  # MLA+DSA
 }
 
 
@@ -86,8 +87,17 @@ def dense_batch_path(model: ModelConfig, ctx, *, critic: bool) -> dict:
     else:
         out = compute_logprobs(chunks, batch.microbatches, ctx=ctx, vocab_size=model.vocab_size)
     return {"batch_devices": sorted({str(t.device) for mb in batch.microbatches for t in mb.values()}),
+            "output_dtypes": sorted({str(t.dtype) for t in out}),
             "output_devices": sorted({str(t.device) for t in out}),
             "output_shapes": [list(t.shape) for t in out]}
+
+
+def recorded(fn, *args, **kwargs) -> dict:
+    """fn's result, or the error that stopped it (one test fails, not the whole module)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - recorded for the test to show
+        return {"error": f"{type(err).__name__}: {err}", "where": traceback.format_exc(limit=-3)}
 
 
 def check(model: ModelConfig, ctx, cpu_ctx, *, critic: bool) -> dict:
@@ -99,13 +109,19 @@ def check(model: ModelConfig, ctx, cpu_ctx, *, critic: bool) -> dict:
         out = {"off_meta": off_meta(chunks), "use_cpu_initialization": chunks[0].config.use_cpu_initialization,
                "num_tensors": len([*chunks[0].parameters(), *chunks[0].buffers()]), "tags": param_tags(chunks),
                "forward": moe_forward(chunks[0], model.vocab_size),
-               "dense": dense_batch_path(model, ctx, critic=critic)}
+               "dense": recorded(dense_batch_path, model, ctx, critic=critic)}
     out["cpu_tags"] = param_tags(build_model_chunks(model, cpu_ctx, value_head=critic))
     return out
 
 
 def main(out_path: str, workdir: str) -> None:
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    kernel_rotate = dsa.rotate_activation  # megatron's own, before the CPU shims replace it
     ctx = init_distributed(ParallelConfig(), seed=1, device="cpu", environ={})
+    # As on a CUDA node without fast_hadamard_transform: the CPU shims' fallback is not there, the
+    # builder must put it in place for the DSA model (issue 37, defect 7).
+    dsa.rotate_activation = kernel_rotate
     cuda_ctx = dataclasses.replace(ctx, device=torch.device("cuda", 0))
     results = {f"{name}/{'critic' if critic else 'actor'}": check(model, cuda_ctx, ctx, critic=critic)
                for name, model in FAMILIES.items() for critic in (False, True)}
