@@ -456,7 +456,7 @@ def train_step_lines(res: dict) -> list[Line]:
                if r["mfu"] is not None else "MFU n/a (no dense bf16 peak for this device)")
         mem = f"peak {r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else "peak memory n/a on CPU"
         shares = " ".join(f"{p} {100 * v:.0f}%" for p, v in r["share"].items())
-        detail = (f"{res['shape']} ({r['params_total'] / 1e6:.0f}M params, {r['params_active'] / 1e6:.0f}M in matmuls "
+        detail = (f"{res['shape']} ({r['params_total'] / 1e6:.3g}M params, {r['params_active'] / 1e6:.3g}M in matmuls "
                   f"a token), {res['microbatches']}x{res['seq_len']} tokens bf16 on {res['device_name']}: "
                   f"{1e3 * r['step_s']:.0f} ms a step, {r['tokens_per_s']:.0f} tok/s, {r['tflops']:.3g} TFLOP/s, "
                   f"{mfu}, {mem}; {shares}")
