@@ -61,3 +61,12 @@ def test_batch_path_and_forward_schedule_stay_on_the_device(placement, build):
     dense = placement[build]["dense"]
     assert dense == {"batch_devices": ["meta"], "output_devices": ["meta"], "output_dtypes": ["torch.float32"],
                      "output_shapes": [[4, 7]]}
+
+
+@pytest.mark.parametrize("family", ["tiny_moe", "glm45_like", "tiny_glm5"])
+def test_weight_sync_export_streams_from_the_device(placement, family):
+    """The actor's export stream (HF names, full tensors, world 1: no gathers) hands out tensors on the
+    device: no host copy on the way. Writing safetensors files reads values: the emulation stops there."""
+    export = placement[f"{family}/actor"]["export"]
+    assert "error" not in export, export
+    assert export["devices"] == ["meta"] and export["num_tensors"] > 40

@@ -7,7 +7,8 @@ node) and ``CudaToMetaMode`` maps every CUDA placement to the ``meta`` device: a
 reached the device is on ``meta``, one that Megatron (or we) left on the CPU is still there.
 For each family and role RESULTS.json records the build error (if any), every parameter and
 buffer not on ``meta``, the parameters' Megatron tags (against a CPU build), where a forward of
-the MoE model stops, and the batch path through Megatron's forward schedule on a dense variant.
+the MoE model stops, the batch path through Megatron's forward schedule on a dense variant, and
+(actors) where the weight-sync export stream's tensors are.
 tests/component/test_device_placement.py asserts on it.
 """
 
@@ -23,9 +24,11 @@ import torch
 
 from sao_megatron.config import ModelConfig, ParallelConfig, load_config
 from sao_megatron.models.builder import build_model_chunks
+from sao_megatron.models.families import get_family
 from sao_megatron.parallel.bootstrap import init_distributed
 from sao_megatron.parallel.cpu_support import CudaToMetaMode
 from sao_megatron.scheduler.sample import Sample
+from sao_megatron.training.run.export import ExportPlan, iter_hf_tensors
 from sao_megatron.training.step.batch import prepare_batch
 from sao_megatron.training.step.forward import compute_logprobs, compute_values
 
@@ -92,6 +95,14 @@ def dense_batch_path(model: ModelConfig, ctx, *, critic: bool) -> dict:
             "output_shapes": [list(t.shape) for t in out]}
 
 
+def exported(chunks, model: ModelConfig) -> dict:
+    """The weight-sync export stream (HF names, full tensors) of a ``meta``-placed actor: where its
+    tensors are (the exporter streams from the device; a host copy would need values meta lacks)."""
+    plan = ExportPlan(chunks, get_family(model.family).weight_map(model))
+    tensors = list(iter_hf_tensors(plan, receivers="rank0"))
+    return {"num_tensors": len(tensors), "devices": sorted({str(t.device) for _, t in tensors})}
+
+
 def recorded(fn, *args, **kwargs) -> dict:
     """fn's result, or the error that stopped it (one test fails, not the whole module)."""
     try:
@@ -110,6 +121,8 @@ def check(model: ModelConfig, ctx, cpu_ctx, *, critic: bool) -> dict:
                "num_tensors": len([*chunks[0].parameters(), *chunks[0].buffers()]), "tags": param_tags(chunks),
                "forward": moe_forward(chunks[0], model.vocab_size),
                "dense": recorded(dense_batch_path, model, ctx, critic=critic)}
+        if not critic:
+            out["export"] = recorded(exported, chunks, model)
     out["cpu_tags"] = param_tags(build_model_chunks(model, cpu_ctx, value_head=critic))
     return out
 
