@@ -31,7 +31,8 @@ causal attention in L layers of n_h heads of d_h dims (half of the s x s scores 
     backward = 2·N_fwd·T + 2·N_wgrad·T + 2·(2·L·n_h·d_h·s·T)      (input grads + weight grads)
 
 so a fully trained model costs 6·N·T + 6·L·n_h·d_h·s·T per step (PaLM's estimate, appendix B,
-with the causal half). The step's FLOPs are the forward and backward calls that really ran (an
+with the causal half). For the critic (frozen embedding and attention) it is an upper bound: autograd
+also skips the first layer's attention backward, whose inputs and weights need no gradient. The step's FLOPs are the forward and backward calls that really ran (an
 objective that recomputes old log-probs adds a forward). TFLOP/s = FLOPs / step time; MFU = that
 over the GPU's dense bf16 peak (``PEAK_BF16_TFLOPS``; ``--peak-tflops`` for another device).
 
