@@ -70,3 +70,14 @@ def test_weight_sync_export_streams_from_the_device(placement, family):
     export = placement[f"{family}/actor"]["export"]
     assert "error" not in export, export
     assert export["devices"] == ["meta"] and export["num_tensors"] > 40
+
+
+@pytest.mark.parametrize("family", ["tiny_moe", "glm45_like", "tiny_glm5"])
+def test_ddp_buffers_and_fp32_master_params_are_on_the_device(placement, family):
+    """setup_optimizer on the placed bf16 actor: Megatron's contiguous param/grad buffers and the distributed
+    optimizer's fp32 master copies follow the model onto the device (a model left on the CPU would put
+    them there). A step then stops at the gradient reduce-scatter: c10d collectives have no meta kernels."""
+    opt = placement[f"{family}/actor"]["optimizer"]
+    assert "error" not in opt, opt
+    assert opt["buffers"] == ["meta"] and opt["main_params"] == ["meta"], opt
+    assert opt["main_dtypes"] == ["torch.float32"] and opt["num_main_params"] > 20

@@ -8,7 +8,8 @@ reached the device is on ``meta``, one that Megatron (or we) left on the CPU is 
 For each family and role RESULTS.json records the build error (if any), every parameter and
 buffer not on ``meta``, the parameters' Megatron tags (against a CPU build), where a forward of
 the MoE model stops, the batch path through Megatron's forward schedule on a dense variant, and
-(actors) where the weight-sync export stream's tensors are.
+(actors) where the weight-sync export stream's tensors, the DDP buffers and the optimizer's master
+parameters are.
 tests/component/test_device_placement.py asserts on it.
 """
 
@@ -22,7 +23,7 @@ import traceback
 
 import torch
 
-from sao_megatron.config import ModelConfig, ParallelConfig, load_config
+from sao_megatron.config import ModelConfig, OptimizerConfig, ParallelConfig, load_config
 from sao_megatron.models.builder import build_model_chunks
 from sao_megatron.models.families import get_family
 from sao_megatron.parallel.bootstrap import init_distributed
@@ -31,6 +32,7 @@ from sao_megatron.scheduler.sample import Sample
 from sao_megatron.training.run.export import ExportPlan, iter_hf_tensors
 from sao_megatron.training.step.batch import prepare_batch
 from sao_megatron.training.step.forward import compute_logprobs, compute_values
+from sao_megatron.training.step.optim import setup_optimizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 META = torch.device("meta")
@@ -103,6 +105,17 @@ def exported(chunks, model: ModelConfig) -> dict:
     return {"num_tensors": len(tensors), "devices": sorted({str(t.device) for _, t in tensors})}
 
 
+def optimizer_placement(chunks, ctx) -> dict:
+    """Megatron's DDP buffers and the distributed optimizer's master parameters of a ``meta``-placed
+    actor. (A training step then stops at the gradient reduce-scatter: c10d has no meta kernels.)"""
+    ddp, opt, _ = setup_optimizer(chunks, OptimizerConfig(lr=1e-3), ctx, total_steps=2)
+    buffers = [t for c in ddp for b in [*c.buffers, *c.expert_parallel_buffers] for t in (b.param_data, b.grad_data)
+               if t is not None]
+    main = [p for group in opt.param_groups for p in group["params"]]
+    return {"buffers": sorted({str(t.device) for t in buffers}), "main_params": sorted({str(p.device) for p in main}),
+            "main_dtypes": sorted({str(p.dtype) for p in main}), "num_main_params": len(main)}
+
+
 def recorded(fn, *args, **kwargs) -> dict:
     """fn's result, or the error that stopped it (one test fails, not the whole module)."""
     try:
@@ -123,6 +136,7 @@ def check(model: ModelConfig, ctx, cpu_ctx, *, critic: bool) -> dict:
                "dense": recorded(dense_batch_path, model, ctx, critic=critic)}
         if not critic:
             out["export"] = recorded(exported, chunks, model)
+            out["optimizer"] = recorded(optimizer_placement, chunks, ctx)
     out["cpu_tags"] = param_tags(build_model_chunks(model, cpu_ctx, value_head=critic))
     return out
 
