@@ -39,8 +39,8 @@ from safetensors.torch import save_file
 
 from sao_megatron.rollout.launch import LocalEngines, free_port
 from sao_megatron.rollout.update_group import flatten_bucket, init_custom_process_group
-from sao_megatron.rollout.weight_sync import DiskWeightSync
-from sao_megatron.rollout.weight_sync_distributed import DistributedWeightSync, _buckets
+from sao_megatron.weights.disk import DiskWeightSync
+from sao_megatron.weights.distributed import DistributedWeightSync, _buckets
 
 
 def make_checkpoint(out: Path, params_m: float) -> list[tuple[str, torch.Tensor]]:

@@ -1,7 +1,7 @@
 """Megatron distributed checkpoint -> HF safetensors (sharded + index) + the template's config/tokenizer.
 
 Weights are streamed through the library exporter
-(``sao_megatron.training.run.export``), the same path the trainer's weight sync
+(``sao_megatron.weights.export``), the same path the trainer's weight sync
 uses, and written by rank 0 shard by shard.
 """
 
@@ -75,7 +75,7 @@ def convert_mcore_to_hf(mcore_dir: str | pathlib.Path, out_dir: str | pathlib.Pa
     common.check_launch(tp, pp, ep, etp)
     ctx, chunks = common.bootstrap(model_cfg, tp, pp, ep, etp=etp)
     common.load_megatron(mcore_dir, chunks)
-    from sao_megatron.training.run.export import ExportPlan, write_hf_weights
+    from sao_megatron.weights.export import ExportPlan, write_hf_weights
 
     plan = ExportPlan(chunks, get_family(model_cfg.family).weight_map(model_cfg), bucket_bytes=bucket_bytes)
     with common.atomic_output_dir(out, rank=ctx.rank, barrier=dist.barrier) as tmp:

@@ -1,7 +1,7 @@
 """Weight-sync arithmetic per sender and per receiving engine rank (``sao-megatron plan``, docs/scaling.md).
 
 A pure function of the model, trainer-parallel and resources configs. Model of the
-``distributed`` transport (``rollout/weight_sync_distributed.py``) on SGLang 0.5.23:
+``distributed`` transport (``weights/distributed.py``) on SGLang 0.5.23:
 - senders: one owner per (PP stage, EP rank); the owner of EP rank 0 of a stage also sends the
   stage's dense tensors (TP shards gathered first), so the busiest sender holds
   ``max over stages (dense + routed_experts / EP)`` (embedding on the first stage, head on the last);

@@ -65,7 +65,7 @@ class RolloutClient:
         """``routed_experts_layout``: (num_layers, topk) of the served model, to shape routed experts;
         ``on_exchange``: called with (path, payload, reply) after every reply (tracing, contract tests);
         ``served``: the weight version every engine must serve, owned by the weight publisher
-        (``rollout.recovery.CurrentWeights``: ``.version`` and, during a push, ``.pending``)."""
+        (``weights.readmission.CurrentWeights``: ``.version`` and, during a push, ``.pending``)."""
         self._router = LeastLoadedRouter([u.rstrip("/") for u in engine_urls])
         self.router_url = router_url.rstrip("/") if router_url else None
         self.timeout_s = timeout_s

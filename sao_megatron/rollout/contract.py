@@ -13,7 +13,7 @@ of the pinned sglang wheel into ``<venv>/sglang_contract/``:
   ``weight_versions`` spans of a reply; the span reader is tested against it;
 - model, loader and quantization files (``deepseek_weight_loader.py``, ``qwen3_moe.py``,
   ``fp8.py``, ...): read with ``ast`` (:func:`source_tree`), and single functions executed
-  (:func:`source_function`), to test ``rollout/loader_groups.py`` and ``rollout/fp8_weights.py``
+  (:func:`source_function`), to test ``rollout/loader_groups.py`` and ``weights/fp8_block.py``
   against SGLang's own loading code; ``tensor_bucket.py`` (torch only) is imported whole.
 
 Used by the contract tests and usable as a ``RolloutClient(on_exchange=...)``

@@ -81,7 +81,7 @@ class AsyncScheduler:
                  max_engine_retries: int = 5, retry_backoff_s: float = 0.5, mode: str | None = None,
                  served=None) -> None:
         """``served``: the object holding the served weight version (``.version``), shared with whoever
-        publishes the weights (``rollout.recovery.CurrentWeights``); None: this scheduler's own."""
+        publishes the weights (``weights.readmission.CurrentWeights``); None: this scheduler's own."""
         self.cfg, self.client, self.task = sched_cfg, client, task
         self._served = served if served is not None else _Version(version)
         # The resolved mode (build_components resolves "auto" from the objective; the config is not mutated).

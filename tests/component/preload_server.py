@@ -41,7 +41,7 @@ PRELOAD = [
     "transformers.models.glm4_moe.modeling_glm4_moe", "transformers.models.deepseek_v3.modeling_deepseek_v3", "sao_megatron.models.builder",
     "sao_megatron.models.actor", "sao_megatron.models.critic", "sao_megatron.training.step.optim",
     "sao_megatron.training.step.forward", "sao_megatron.training.run.checkpoint",
-    "sao_megatron.training.run.components", "sao_megatron.training.run.export",
+    "sao_megatron.training.run.components", "sao_megatron.weights.export",
 ]
 GRACE_S = 5.0
 """After one rank fails: how long the others get after SIGTERM before SIGKILL."""

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from sao_megatron.rollout.client import RolloutClient
-from sao_megatron.rollout.recovery import CurrentWeights, disk_readmit
+from sao_megatron.weights.readmission import CurrentWeights, disk_readmit
 from sao_megatron.rollout.supervisor import EngineSupervisor, NoEngineError
 from sao_megatron.rollout.types import SamplingParams
 

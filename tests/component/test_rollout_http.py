@@ -231,7 +231,7 @@ def test_hf_parity_gate(engines, tiny_dirs):  # noqa: F811
 def test_disk_weight_sync_push(engines, tiny_dirs, tmp_path):  # noqa: F811
     from safetensors.torch import load_file
 
-    from sao_megatron.rollout.weight_sync import DiskWeightSync
+    from sao_megatron.weights.disk import DiskWeightSync
 
     recorder = ContractRecorder()
     sp = SamplingParams(max_new_tokens=6)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from rollout_fixtures import tiny_dirs  # noqa: F401 - fixture
 
-from sao_megatron.rollout.weight_sync import write_hf_safetensors
+from sao_megatron.weights.disk import write_hf_safetensors
 
 pytestmark = pytest.mark.component
 

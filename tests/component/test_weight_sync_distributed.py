@@ -21,7 +21,7 @@ from sao_megatron.rollout import contract
 from sao_megatron.rollout.client import RolloutClient
 from sao_megatron.rollout.types import SamplingParams
 from sao_megatron.rollout.weight_check import WeightMismatchError, held_name
-from sao_megatron.rollout.weight_sync_distributed import DistributedWeightSync, WeightSyncError
+from sao_megatron.weights.distributed import DistributedWeightSync, WeightSyncError
 
 pytestmark = pytest.mark.component
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -147,7 +147,7 @@ def test_session_rules_are_sglangs(engines):
 
 
 def test_corrupted_bytes_stop_with_the_tensor_name(engines, tiny_dirs, monkeypatch):  # noqa: F811
-    import sao_megatron.rollout.weight_sync_distributed as wsd
+    import sao_megatron.weights.distributed as wsd
 
     real = wsd.DistributedWeightSync._flatten
 

@@ -5,15 +5,14 @@ equal the actor's (the parity gate) and their version advances."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from sao_megatron.config import load_config
-from test_train_e2e import metrics_by_step, run_train
+from test_train_e2e import metrics_by_step, run_train  # also puts tests/component on sys.path
+
+from megatron_launch import launch  # noqa: I001 - after test_train_e2e, which makes it importable
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "e2e" / "mp_scripts" / "weight_sync_trainer.py"
@@ -25,10 +24,9 @@ pytestmark = pytest.mark.e2e
 def sync_run(tmp_path, nproc: int, *overrides: str, external: bool = False) -> dict:
     out = tmp_path / f"sync{nproc}.json"
     sets = [a for o in overrides for a in ("--set", o)] + (["--external"] if external else [])
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", str(SCRIPT),
-           str(CONFIG), str(out), *sets]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # What torchrun --standalone --nproc_per_node=NPROC starts (OMP_NUM_THREADS=1), forked from the session's
+    # preloaded server: no launcher process, no torch + Megatron imports per rank.
+    proc = launch([SCRIPT, CONFIG, out, *sets], nproc=nproc, cwd=REPO, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 

@@ -23,10 +23,10 @@ import torch
 from sao_megatron.config.schema import SchedulerConfig
 from sao_megatron.envs import ArithmeticTask
 from sao_megatron.rollout.client import RolloutClient
-from sao_megatron.rollout.recovery import CurrentWeights, disk_readmit
+from sao_megatron.weights.readmission import CurrentWeights, disk_readmit
 from sao_megatron.rollout.supervisor import EngineSupervisor
 from sao_megatron.rollout.types import SamplingParams
-from sao_megatron.rollout.weight_sync_distributed import DistributedWeightSync
+from sao_megatron.weights.distributed import DistributedWeightSync
 from sao_megatron.scheduler import AsyncScheduler
 
 pytestmark = pytest.mark.sglang

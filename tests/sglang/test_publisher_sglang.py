@@ -15,10 +15,10 @@ import torch
 
 from sao_megatron.rollout.client import RolloutClient
 from sao_megatron.rollout.protocol import build_generate_payload, parse_generate_reply
-from sao_megatron.rollout.recovery import CurrentWeights
+from sao_megatron.weights.readmission import CurrentWeights
 from sao_megatron.rollout.types import SamplingParams
-from sao_megatron.rollout.weight_sync import DiskWeightSync
-from sao_megatron.rollout.weight_sync_distributed import DistributedWeightSync
+from sao_megatron.weights.disk import DiskWeightSync
+from sao_megatron.weights.distributed import DistributedWeightSync
 
 pytestmark = pytest.mark.sglang
 

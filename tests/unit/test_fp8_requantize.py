@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from sao_megatron.models.families.fp8 import BlockFp8Checkpoint, dequantize_blocks
-from sao_megatron.rollout.fp8_weights import FP8_MAX, Fp8Scheme, quantize_blocks, requantize
+from sao_megatron.weights.fp8_block import FP8_MAX, Fp8Scheme, quantize_blocks, requantize
 
 pytestmark = pytest.mark.unit
 BLOCK = (16, 16)  # small blocks so tiny weights span several, with ragged edges
@@ -116,8 +116,8 @@ def test_weight_sync_sends_fp8_blocks_as_the_engines_config_says(tmp_path):
     import httpx
 
     from sao_megatron.config import load_config
-    from sao_megatron.rollout import weight_sync
-    from sao_megatron.rollout.weight_sync_distributed import _World
+    from sao_megatron.weights import transports as weight_sync
+    from sao_megatron.weights.distributed import _World
 
     pushed = {}
     served = tmp_path / "served"

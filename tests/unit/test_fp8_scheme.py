@@ -1,4 +1,4 @@
-"""FP8 weights chosen by the engine's own ``quantization_config`` (``rollout/fp8_weights.py``).
+"""FP8 weights chosen by the engine's own ``quantization_config`` (``weights/fp8_block.py``).
 
 References: SGLang 0.5.23's own ``Fp8Config.from_config`` (how it reads the config) and
 ``is_layer_skipped`` (how ``modules_to_not_convert`` matches) executed from the pinned wheel, the
@@ -21,7 +21,7 @@ import torch
 
 from sao_megatron.models.families import get_family, model_config_from_hf
 from sao_megatron.rollout import contract
-from sao_megatron.rollout.fp8_weights import (
+from sao_megatron.weights.fp8_block import (
     ENGINE_UNQUANTIZED, FP8_MAX, SCALE_SUFFIX, Fp8Scheme, engine_scheme, quantize_blocks, requantize)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "component" / "convert_scripts"))

@@ -19,11 +19,11 @@ import torch
 
 from sao_megatron.models.families import get_family, model_config_from_hf
 from sao_megatron.rollout import contract
-from sao_megatron.rollout.fp8_weights import Fp8Scheme, requantize
+from sao_megatron.weights.fp8_block import Fp8Scheme, requantize
 from sao_megatron.rollout.loader_groups import (
     A_PROJ, ANY_FAMILY, FAMILY_GROUPS, INDEXER_WEIGHTS_PROJ, INDEXER_WK, KV_B_PROJ, group_key, plan_buckets)
 from sao_megatron.rollout.update_group import flatten_bucket
-from sao_megatron.rollout.weight_sync_distributed import _buckets
+from sao_megatron.weights.distributed import _buckets
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "component" / "convert_scripts"))
 from mla_fixtures import SHAPES  # noqa: E402

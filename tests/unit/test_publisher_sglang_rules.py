@@ -88,7 +88,7 @@ class _Engines:
 def test_tp2_engines_are_reported_unverified():
     """At engine tp > 1 the checksums are of shards: the push says so (verified 0, one unverified
     engine) instead of reporting it verified."""
-    from sao_megatron.rollout.weight_sync_distributed import DistributedWeightSync, EngineLink
+    from sao_megatron.weights.distributed import DistributedWeightSync, EngineLink
 
     sync = DistributedWeightSync(backend="gloo", master_address="127.0.0.1")
     sync.http = httpx.Client(transport=httpx.MockTransport(_Engines(tp_size=2)))
@@ -101,7 +101,7 @@ def test_tp2_engines_are_reported_unverified():
 
 
 def _stats():
-    from sao_megatron.rollout.weight_sync_distributed import _SenderStats
+    from sao_megatron.weights.distributed import _SenderStats
 
     return _SenderStats()
 
@@ -111,7 +111,7 @@ def test_a_push_that_fails_mid_stream_still_ends_the_update_session():
     """SGLang refuses /begin_weight_update while a session is open
     (``scheduler_components/weight_updater.py:begin_weight_update``): an exception between begin and
     end must end the session, or the engine is locked out of every later push."""
-    from sao_megatron.rollout.weight_sync_distributed import DistributedWeightSync, EngineLink
+    from sao_megatron.weights.distributed import DistributedWeightSync, EngineLink
 
     engines = _Engines()
     sync = DistributedWeightSync(backend="gloo", master_address="127.0.0.1")
@@ -145,7 +145,7 @@ def test_disk_pushes_are_not_wrapped_in_an_update_session(tmp_path):
     """SGLang's disk path restores, loads and post-processes the weights itself and never marks the
     session loaded, so a session around it would post-process twice at /end_weight_update
     (``run_post_load = not self._session.loaded_weights``)."""
-    from sao_megatron.rollout.weight_sync import DiskWeightSync
+    from sao_megatron.weights.disk import DiskWeightSync
 
     client = _RecordingClient()
     sync = DiskWeightSync(client=client, sync_root=tmp_path, template_dir=None, collective=False, verify=False)
@@ -230,7 +230,7 @@ def test_health_keeps_engines_serving_the_published_or_the_pending_version():
     """The client reads the publisher's record: an engine serving it (or the version a push in flight is
     loading) stays in; one serving another version is kept out until it serves the current one."""
     from sao_megatron.rollout.client import RolloutClient
-    from sao_megatron.rollout.recovery import CurrentWeights
+    from sao_megatron.weights.readmission import CurrentWeights
 
     reported = {"a": "2", "b": "1"}
 

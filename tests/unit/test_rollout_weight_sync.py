@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sao_megatron.rollout.weight_sync import write_hf_safetensors
-from sao_megatron.rollout.weight_sync_distributed import _buckets
+from sao_megatron.weights.disk import write_hf_safetensors
+from sao_megatron.weights.distributed import _buckets
 
 pytestmark = pytest.mark.unit
 
@@ -93,7 +93,7 @@ def test_failed_write_leaves_nothing(tmp_path):
 def test_engines_with_data_parallel_attention_are_refused_with_the_reason():
     import httpx
 
-    from sao_megatron.rollout.weight_sync_distributed import DistributedWeightSync, WeightSyncError
+    from sao_megatron.weights.distributed import DistributedWeightSync, WeightSyncError
 
     infos = {"a": {"tp_size": 4, "dp_size": 1}, "b": {"tp_size": 8, "dp_size": 8}}
     sync = DistributedWeightSync(backend="gloo", master_address="127.0.0.1")
@@ -125,7 +125,7 @@ def test_group_store_address_is_on_the_route_to_the_engines():
     import socket
     import subprocess
 
-    from sao_megatron.rollout.weight_sync_distributed import address_towards
+    from sao_megatron.weights.distributed import address_towards
 
     assert address_towards("127.0.0.1") == "127.0.0.1"
     own = [a for a in subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()

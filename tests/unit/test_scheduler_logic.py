@@ -663,12 +663,11 @@ def test_engines_that_all_die_during_a_push_leave_the_weights_recorded(tmp_path,
     and none is healthy): like engines already down before it, the push records the weights for
     readmission and returns, so the next batch waits for an engine and ends in NoEngineError rather
     than a raw EngineUnavailable. With an engine still healthy the error is a real one and is raised."""
-    from types import SimpleNamespace
 
     from sao_megatron.config import ExperimentConfig
     from sao_megatron.config.schema import DataConfig, RolloutConfig
-    from sao_megatron.rollout.recovery import CurrentWeights
-    from sao_megatron.training.run.publisher import WeightPublisher
+    from sao_megatron.weights.readmission import CurrentWeights
+    from sao_megatron.weights.publisher import WeightPublisher
     from sao_megatron.training.run.rollout_side import RolloutSide
 
     class DiesOnPause(FakeClient):
@@ -685,17 +684,20 @@ def test_engines_that_all_die_during_a_push_leave_the_weights_recorded(tmp_path,
         pub.served = CurrentWeights(tmp_path / "weights" / "v000000", 0)
         side.scheduler = make(side.client)
         side.scheduler._served = pub.served  # the one record of the version, as WeightPublisher.start wires it
-        pub.rollout, pub.disk = side, SimpleNamespace(sync_root=tmp_path / "weights")
+        pub.rollout = side
         loaded = []
 
-        async def update():
-            loaded.append(True)
+        class Written:  # a staged disk push of v3 (weights.staged.Staged)
+            version, path, reached = 3, tmp_path / "weights" / "v000003", None
+
+            async def deliver(self):
+                loaded.append(True)
         if engines_left:
             with pytest.raises(EngineUnavailable):
-                pub._paused(3)(update)
+                side.bridge.run(pub._deliver_paused(Written()))
             assert pub.served.version == 0 and side.scheduler.version == 0
         else:
-            pub._paused(3)(update)
+            side.bridge.run(pub._deliver_paused(Written()))
             assert pub.served.version == 3 and side.scheduler.version == 3
             assert pub.served.path == tmp_path / "weights" / "v000003"
         assert not loaded  # no engine loaded anything

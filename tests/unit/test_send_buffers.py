@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from sao_megatron.rollout.send_buffers import SendBuffers, smallest_alone
+from sao_megatron.weights.send_buffers import SendBuffers, smallest_alone
 
 pytestmark = pytest.mark.unit
 

@@ -128,9 +128,9 @@ class DiskEngine(FakeClient):
 
 def disk_publisher(tmp_path, monkeypatch, engine, *, overlap: bool):
     """A rank-0 WeightPublisher on the disk path, wired as ``start`` wires it, exporting one tensor."""
-    from sao_megatron.rollout.recovery import CurrentWeights
-    from sao_megatron.rollout.weight_sync import DiskWeightSync
-    from sao_megatron.training.run import publisher as mod
+    from sao_megatron.weights.readmission import CurrentWeights
+    from sao_megatron.weights.disk import DiskWeightSync
+    from sao_megatron.weights import publisher as mod
     from sao_megatron.training.run.rollout_side import RolloutSide
 
     monkeypatch.setattr(mod, "export_weights", lambda c: iter([("w", torch.arange(6.0).reshape(2, 3))]))
@@ -150,7 +150,7 @@ def disk_publisher(tmp_path, monkeypatch, engine, *, overlap: bool):
 
 def test_a_failed_background_push_surfaces_at_the_next_publish_naming_its_version(tmp_path, monkeypatch,
                                                                                   one_rank):
-    from sao_megatron.training.run.publisher import WeightPushError
+    from sao_megatron.weights.publisher import WeightPushError
 
     engine = DiskEngine(refuse={2}, load_s=0.2)
     pub = disk_publisher(tmp_path, monkeypatch, engine, overlap=True)

@@ -1,4 +1,4 @@
-"""Which collective backend rollout.weight_sync=distributed sends with (rollout/weight_sync.py)."""
+"""Which collective backend rollout.weight_sync=distributed sends with (weights/disk.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sao_megatron.config.schema import RolloutConfig
-from sao_megatron.rollout.weight_sync import build_weight_sync
+from sao_megatron.weights.transports import build_weight_sync
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ between them and the HF shapes (symbolic, resolved from the ModelConfig).
 ordered list of Megatron names, the HF names of each, and the tensor
 transforms both ways. Nothing here touches torch.distributed or Megatron
 modules; sharding is handled in ``hf_loader`` (import) and
-``sao_megatron.training.run.export`` (export).
+``sao_megatron.weights.export`` (export).
 """
 
 from __future__ import annotations

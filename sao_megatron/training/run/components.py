@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import torch
 
 from sao_megatron.algorithms.advantages import RunningMeanBaseline
 from sao_megatron.algorithms.objectives import Objective, objective
@@ -25,7 +21,7 @@ from sao_megatron.envs.base import Task
 from sao_megatron.models.families import get_family
 from sao_megatron.parallel.bootstrap import ParallelContext, init_distributed
 from sao_megatron.parallel.collectives import rank0_call
-from sao_megatron.training.run.export import ExportPlan, iter_hf_tensors
+from sao_megatron.weights.export import ExportPlan, drain, export_weights
 from sao_megatron.training.run.models import TrainedModel, build_actor, build_critic
 
 log = logging.getLogger(__name__)
@@ -86,18 +82,6 @@ def build_baseline(alg: AlgorithmConfig) -> RunningMeanBaseline | None:
     return RunningMeanBaseline(momentum=alg.running_mean.momentum)
 
 
-def export_weights(c: Components) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective generator: the actor's weights as (HF name, full tensor) on rank 0 (nothing
-    elsewhere). Every rank must exhaust it (``drain`` on the others) to keep collectives in step."""
-    return iter_hf_tensors(c.exporter, receivers="rank0")
-
-
-def drain(gen: Iterator[Any]) -> None:
-    """Exhaust a collective generator (this rank's side of an export it does not consume)."""
-    for _ in gen:
-        pass
-
-
 def _log_choices(cfg: ExperimentConfig, ctx: ParallelContext, actor: TrainedModel) -> None:
     """One line that says what was chosen and why (specs, optimizer, device)."""
     if ctx.rank != 0:
@@ -149,9 +133,9 @@ def write_hf_export(c: Components, model: ModelConfig, out_dir: pathlib.Path, te
     """Collective: the actor's weights as a loadable HF directory (safetensors + config.json + the
     task's tokenizer) written by rank 0, exactly as the trainer syncs them to the engines."""
     from sao_megatron.models.families import write_hf_template
-    from sao_megatron.rollout.weight_sync import write_hf_safetensors
+    from sao_megatron.weights.disk import write_hf_safetensors
 
-    gen = export_weights(c)
+    gen = export_weights(c.exporter)
 
     def write() -> None:
         try:

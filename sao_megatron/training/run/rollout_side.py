@@ -5,7 +5,7 @@ from an HF directory exported from the actor; with ``rollout.engine=sglang`` it
 talks to already running SGLang servers (``engine_urls``) through their router.
 The asyncio side runs on an :class:`AsyncBridge` thread so generation and
 reward computation continue while the actor trains. Weights (the start directory, pushes, the
-served version, restarted engines' weights) belong to ``training.run.publisher.WeightPublisher``.
+served version, restarted engines' weights) belong to ``weights.publisher.WeightPublisher``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from sao_megatron.models.families import write_hf_template
 from sao_megatron.rollout.client import RolloutClient
 from sao_megatron.rollout.health import wait_healthy
 from sao_megatron.rollout.launch import LocalEngines, SGLangRouterProcess, local_sglang_engines
-from sao_megatron.rollout.recovery import CurrentWeights, LocalRestarter
+from sao_megatron.weights.readmission import CurrentWeights, LocalRestarter
 from sao_megatron.rollout.router_admin import RouterAdmin
 from sao_megatron.rollout.supervisor import EngineSupervisor, Readmit
 from sao_megatron.scheduler.sample import Sample

@@ -29,7 +29,7 @@ from sao_megatron.training.run.evaluation import PeriodicEval
 from sao_megatron.training.run.metrics_log import MetricsLogger, reward_summary
 from sao_megatron.training.step.offload import park, resident
 from sao_megatron.training.step.optim import NonFiniteGuard
-from sao_megatron.training.run.publisher import WeightPublisher
+from sao_megatron.weights.publisher import WeightPublisher
 from sao_megatron.training.run.run_state import RunState
 from sao_megatron.training.step.step_metrics import batch_metrics, value_metrics
 
@@ -52,7 +52,7 @@ class Trainer:
                               offload=self.offload, async_save=cfg.checkpoint.async_save,
                               verify_checksums=cfg.checkpoint.verify_checksums)
         self.step = 0
-        self.publisher = WeightPublisher(cfg, self.c, self.run_dir, rank0=self.rank0)  # owns the weight version
+        self.publisher = WeightPublisher(cfg, self.c.exporter, self.run_dir, rank0=self.rank0)  # owns the weight version
         self.guard = NonFiniteGuard(cfg.run.max_nan_steps)
         self.policy = rl_step.PolicySettings(vocab_size=cfg.model.vocab_size, temperature=cfg.rollout.temperature,
                                              entropy_coef=cfg.actor.entropy_coef, ppo_epochs=cfg.actor.ppo_epochs,

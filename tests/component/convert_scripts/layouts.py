@@ -28,7 +28,7 @@ def hf_files_equal_on_every_rank(hf_dir: pathlib.Path, mcore: pathlib.Path) -> b
 
     from checkpoints_tools import common
     from sao_megatron.models.families import get_family
-    from sao_megatron.training.run.export import ExportPlan, iter_hf_tensors
+    from sao_megatron.weights.export import ExportPlan, iter_hf_tensors
 
     cfg = common.read_model_config(mcore)
     _, chunks = common.bootstrap(cfg, 2, 1, 2)

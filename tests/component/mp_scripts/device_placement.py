@@ -29,7 +29,7 @@ from sao_megatron.models.families import get_family
 from sao_megatron.parallel.bootstrap import init_distributed
 from sao_megatron.parallel.cpu_support import CudaToMetaMode
 from sao_megatron.scheduler.sample import Sample
-from sao_megatron.training.run.export import ExportPlan, iter_hf_tensors
+from sao_megatron.weights.export import ExportPlan, iter_hf_tensors
 from sao_megatron.training.step.batch import prepare_batch
 from sao_megatron.training.step.forward import compute_logprobs, compute_values
 from sao_megatron.training.step.optim import setup_optimizer

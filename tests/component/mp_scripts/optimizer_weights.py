@@ -74,9 +74,9 @@ def write_sources(cfg, ctx, workdir: str) -> dict:
     """An HF dir and model-only checkpoints of an actor and a critic whose weights the runs must start from."""
     from sao_megatron.models.builder import build_model_chunks
     from sao_megatron.models.families import get_family, write_hf_template
-    from sao_megatron.rollout.weight_sync import write_hf_safetensors
+    from sao_megatron.weights.disk import write_hf_safetensors
     from sao_megatron.training.run.checkpoint import save_checkpoint
-    from sao_megatron.training.run.export import ExportPlan, iter_hf_tensors
+    from sao_megatron.weights.export import ExportPlan, iter_hf_tensors
 
     actor = build_model_chunks(cfg.model, ctx)
     src = {"actor": perturb(actor, seed=7)}

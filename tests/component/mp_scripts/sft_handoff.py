@@ -27,8 +27,8 @@ def params(chunks, vocab: int) -> dict[str, torch.Tensor]:
 def write(cfg, ctx, workdir: str) -> dict:
     from sao_megatron.models.builder import build_model_chunks
     from sao_megatron.models.families import get_family, write_hf_template
-    from sao_megatron.rollout.weight_sync import write_hf_safetensors
-    from sao_megatron.training.run.export import ExportPlan, iter_hf_tensors
+    from sao_megatron.weights.disk import write_hf_safetensors
+    from sao_megatron.weights.export import ExportPlan, iter_hf_tensors
 
     chunks = build_model_chunks(cfg.model, ctx)
     g = torch.Generator().manual_seed(11)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from sao_megatron.config.schema import ModelConfig
 from sao_megatron.models.families.base import ROUTED_EXPERTS, WeightMap
 from sao_megatron.models.families.sharded import load_hf_weights
-from sao_megatron.training.run.export import ExportPlan, iter_hf_tensors
+from sao_megatron.weights.export import ExportPlan, iter_hf_tensors
 
 CFG = ModelConfig(num_layers=2, hidden_size=8, num_moe_experts=4, moe_ffn_hidden_size=6, moe_layer_freq=1,
                   params_dtype="fp32")

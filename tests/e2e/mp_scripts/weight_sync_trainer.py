@@ -24,11 +24,11 @@ def start_external(trainer, cfg, run_dir: pathlib.Path):
     """(single rank) Two embedded engines serving the initial weights; cfg.rollout now reaches them."""
     from sao_megatron.models.families import write_hf_template
     from sao_megatron.rollout.launch import LocalEngines
-    from sao_megatron.rollout.weight_sync import write_hf_safetensors
-    from sao_megatron.training.run.components import export_weights
+    from sao_megatron.weights.disk import write_hf_safetensors
+    from sao_megatron.weights.export import export_weights
 
     template = write_hf_template(cfg.model, getattr(trainer.c.task, "tokenizer", None), run_dir / "ext_template")
-    start = write_hf_safetensors(export_weights(trainer.c), run_dir / "ext_start", template_dir=template)
+    start = write_hf_safetensors(export_weights(trainer.c.exporter), run_dir / "ext_start", template_dir=template)
     engines = LocalEngines(start, 2, extra_args=["--weight-version", "0", "--skip-tokenizer-init"],
                            log_dir=run_dir / "ext_logs")
     engines.start()
@@ -55,7 +55,7 @@ def main() -> None:
         initial_weights(trainer.c, cfg)
         engines = start_external(trainer, cfg, run_dir) if external else None
         trainer._start_rollout(None)
-        assert trainer._update(fixed_samples(cfg.model.vocab_size)).pop("_applied")
+        assert trainer.update(fixed_samples(cfg.model.vocab_size)).applied
         # With rollout.overlap_weight_push a push's metrics come from the wait that joins it.
         first = trainer.publisher.publish() | trainer.publisher.wait()  # version 1
         second = trainer.publisher.publish() | trainer.publisher.wait()  # version 2, same layout: not verified again

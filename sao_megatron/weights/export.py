@@ -213,3 +213,15 @@ def iter_owned_hf_tensors(plan: ExportPlan) -> Iterator[tuple[str, torch.Tensor]
 def owns_tensors(plan: ExportPlan) -> bool:
     """Whether this rank sends anything in :func:`iter_owned_hf_tensors` (a weight-sync sender)."""
     return any(item.owner == plan.rank for item in plan.items)
+
+
+def export_weights(plan: ExportPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective generator: the actor's weights as (HF name, full tensor) on rank 0 (nothing
+    elsewhere). Every rank must exhaust it (``drain`` on the others) to keep collectives in step."""
+    return iter_hf_tensors(plan, receivers="rank0")
+
+
+def drain(gen: Iterator[object]) -> None:
+    """Exhaust a collective generator (this rank's side of an export it does not consume)."""
+    for _ in gen:
+        pass

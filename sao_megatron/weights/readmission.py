@@ -2,7 +2,7 @@
 must serve, how it gets them, and how locally started engines are restarted.
 
 - :class:`CurrentWeights`: the newest exported HF directory and its version, with the lock that
-  every weight push holds (``training.run.publisher.WeightPublisher``), so an engine is loaded and
+  every weight push holds (``weights.publisher.WeightPublisher``), so an engine is loaded and
   admitted either wholly before a push (the push then reaches it too) or after it (it loads the
   new weights). It is the one record of the served version: the publisher writes it, the client,
   the scheduler and the supervisor's readmission read it.

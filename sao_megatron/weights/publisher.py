@@ -1,35 +1,57 @@
-"""The one owner of weight publishing: export → transport → pause and commit → version → reconnects.
+"""The one owner of weight publishing: export → stage → pause, deliver, commit → reconnects.
 
 Every trainer rank holds a :class:`WeightPublisher`; the trainer calls :meth:`WeightPublisher.publish`
-once per policy update. In order, it
-1. exports the actor's weights (``rollout.weight_sync=disk``: gathered to rank 0, written while the
-   engines keep generating; ``distributed``: every owner streams its own share),
-2. moves them with the transport (``rollout.weight_sync``), loading them while generation is paused
-   (the scheduler's ``on_weights_updated``),
-3. commits the version: :attr:`served` (``rollout.recovery.CurrentWeights``) is the ONE record of the
-   weight version every engine serves. Rank 0 hands the same object to the client (whose health probe
-   keeps out an engine serving another version), the scheduler (its policy version for staleness) and
-   the supervisor (what a restarted engine loads): nothing else holds a copy that could drift,
-4. reconnects engines the supervisor restarted (distributed: their update groups are rebuilt on every
-   rank before the next push; disk: they load :attr:`served` on readmission).
+once per policy update. A push reads top to bottom:
+
+1. ``job = transport.stage(export, version)`` (main thread, collective): the export's gathers and the
+   transport's staging (``rollout.weight_sync=disk``: gathered to rank 0 and written while the engines
+   keep generating; ``distributed``: each owner's share, snapshotted into host buffers when overlapped).
+   The transport is picked once, at :meth:`start` (``weights.transports``); the publisher never looks
+   inside it.
+2. ``job.deliver()`` with generation paused: rank 0 pauses through the scheduler
+   (``on_weights_updated``, which continues every engine it paused on every path), holds the served
+   lock (no engine is admitted mid-push) and delivers; the other ranks of a distributed push send their
+   buckets unpaused.
+3. The version is committed once, in :meth:`_commit`: :attr:`served` (``weights.readmission.
+   CurrentWeights``) is the ONE record of the version every engine serves. Rank 0 hands the same object
+   to the client (whose health probe keeps out an engine serving another version), the scheduler (its
+   policy version for staleness) and the supervisor (what a restarted engine loads).
+4. ``job.finish()`` after the pause (verification, pruning, metrics); engines the supervisor restarted
+   rejoin (distributed: their update groups are rebuilt on every rank before the next push and they are
+   admitted once a push reached them; disk: they load :attr:`served` on readmission).
 
 While a push is in flight ``served.pending`` names the version being loaded, so an engine that already
 took it is not judged stale by a health probe during the push.
 
-With ``rollout.overlap_weight_push`` (docs/weight-publishing.md#overlap) the push runs on a background
-thread while the next step trains. Two versions then exist: :attr:`WeightPublisher.version` (the actor's:
-updates applied and exported) and ``served.version`` (the engines', which lags while a push is in
-flight). At most one push is in flight: :meth:`WeightPublisher.wait` (collective) joins it and raises its
-error on every rank, naming its version and step.
+Concurrency map (rank 0; other ranks have no bridge and deliver on the push worker or main thread):
+
+- main thread: ``publish`` → ``wait`` (joins the previous push, all-gathers its outcome) → ``_stage``
+  (collectives over the training groups) → submits ``_deliver`` to the push worker (overlap) or runs it.
+- push worker (``weight-push``, one thread, ``rollout.overlap_weight_push``): ``_deliver`` →
+  ``bridge.run(_deliver_paused)`` blocks on rank 0's asyncio bridge thread; its own process group for
+  the transport's object collectives (a group is never used by two threads at once).
+- bridge thread (``rollout-loop``): the scheduler pauses, ``_load`` takes ``served.lock`` and awaits
+  ``job.deliver()``; a distributed delivery runs ``_send_all`` in a loop worker thread (the loop keeps
+  serving generation requests and admissions queue on the lock); the disk delivery awaits the client.
+- transport threads (distributed): ``wsync-send`` sends bucket k while the delivery flattens k+1;
+  ``wsync-http`` opens and ends the engines' sessions.
+Who waits: the main thread for the push worker only in ``wait`` (next publish, checkpoint, the end) and
+``wait_local`` (evaluation); the push worker for the bridge; admissions for the push (the lock).
+
+With ``rollout.overlap_weight_push`` (docs/weight-publishing.md#overlap) two versions exist:
+:attr:`WeightPublisher.version` (the actor's: updates applied and exported) and ``served.version`` (the
+engines', which lags while a push is in flight). At most one push is in flight: :meth:`WeightPublisher.wait`
+(collective) joins it and raises its error on every rank, naming its version and step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import pathlib
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +63,13 @@ from sao_megatron.config.schema import RolloutConfig
 from sao_megatron.errors import SaoError
 from sao_megatron.models.families.hf_config import dtype_name
 from sao_megatron.parallel.collectives import broadcast_object, rank0_call
-from sao_megatron.rollout.recovery import CurrentWeights, PendingReconnects, disk_readmit
 from sao_megatron.rollout.types import EngineUnavailable
-from sao_megatron.training.run.components import Components, drain, export_weights
-from sao_megatron.training.run.export import iter_owned_hf_tensors, owns_tensors
+from sao_megatron.weights.disk import DiskWeightSync
+from sao_megatron.weights.export import ExportPlan, drain, export_weights, iter_owned_hf_tensors, owns_tensors
+from sao_megatron.weights.readmission import CurrentWeights, PendingReconnects, disk_readmit
+from sao_megatron.weights.staged import NothingStaged, Staged
+from sao_megatron.weights.transports import Fp8BlockSync, build_weight_sync
+from sao_megatron.weights.verify import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +90,17 @@ class _Push:
 class WeightPublisher:
     """Every rank's side of weight publishing (see the module docstring)."""
 
-    def __init__(self, cfg: ExperimentConfig, components: Components, run_dir: pathlib.Path, *, rank0: bool):
-        self.cfg, self.c, self.run_dir, self.rank0 = cfg, components, pathlib.Path(run_dir), rank0
+    def __init__(self, cfg: ExperimentConfig, exporter: ExportPlan | None, run_dir: pathlib.Path, *, rank0: bool):
+        """``exporter``: the actor's export plan (``weights.export``)."""
+        self.cfg, self.exporter, self.run_dir, self.rank0 = cfg, exporter, pathlib.Path(run_dir), rank0
         self.served = CurrentWeights(None, 0)
         self.rollout = None  # rank 0's RolloutSide
         self.disk = None  # rank 0: the engines' start directory, restarts and rollout.weight_sync=disk
         self.transport = None  # the sync publish() pushes with (the disk one, or distributed on every rank)
         self.reconnects = PendingReconnects()
         self._reconnecting: list = []
-        self.distributed = cfg.rollout.weight_sync != "disk"
+        self.every_rank = cfg.rollout.weight_sync != "disk"
+        """Every rank sends its own share (distributed); else rank 0 pushes an export gathered to it (disk)."""
         self.version = 0
         """The actor's version: policy updates applied and exported (``served.version`` once no push is in flight)."""
         self.overlap = cfg.rollout.overlap_weight_push
@@ -85,7 +112,6 @@ class WeightPublisher:
         self._thread = (concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="weight-push", initializer=_push_thread_device,
             initargs=(torch.cuda.current_device() if torch.cuda.is_available() else None,)) if self.overlap else None)
-        self._buffers: dict[str, torch.Tensor] = {}  # distributed + overlap: the snapshot, reused every push
 
     def restore(self, version: int) -> None:
         """A resumed run starts from its checkpoint's version."""
@@ -96,7 +122,7 @@ class WeightPublisher:
     def start(self, build_rollout: Callable[[], Any], scheduler_state: dict[str, Any] | None):
         """Write the current weights, start (or reach) the engines with them, start generating, connect
         the transport. ``build_rollout`` (rank 0) makes the RolloutSide; returns it on rank 0."""
-        gen = export_weights(self.c)
+        gen = export_weights(self.exporter)
 
         def start():
             try:
@@ -105,21 +131,17 @@ class WeightPublisher:
                 drain(gen)
 
         rank0_call(start, others=lambda: drain(gen))
-        if self.distributed:
-            from sao_megatron.rollout.weight_sync import build_weight_sync
-
+        if self.every_rank:
             # A background push runs the transport's object collectives on a group of its own: the
             # default group belongs to the main thread (a group must never be used by two threads at once).
             group = dist.new_group(backend="gloo") if self.overlap else None
             self.transport = build_weight_sync(self.cfg.rollout, client=None, run_dir=self.run_dir,
                                                template_dir=None, checkpoint_dtype=self._dtype(), world_group=group)
             self.transport.connect(self.rollout.client.engine_urls if self.rank0 else None,
-                                   is_sender=owns_tensors(self.c.exporter))
+                                   is_sender=owns_tensors(self.exporter))
         return self.rollout
 
     def _start_rank0(self, build_rollout, gen, scheduler_state) -> None:
-        from sao_megatron.rollout.weight_sync import DiskWeightSync, Fp8BlockSync
-
         r: RolloutConfig = self.cfg.rollout
         self.rollout = build_rollout()
         self.disk = DiskWeightSync(client=None, sync_root=self.rollout.weights_root,
@@ -135,10 +157,10 @@ class WeightPublisher:
             # External servers started from their own weights: serve the actor's (initial or resumed)
             # weights before the first rollout, tagged with the trainer's version.
             self.rollout.bridge.run(client.update_weights_from_disk(str(model_dir), weight_version=self.version))
-        if not self.distributed:
+        if not self.every_rank:
             self.disk.connect(client.engine_urls, is_sender=True)
             self.transport = Fp8BlockSync(self.disk) if r.engine_weight_format == "fp8_block" else self.disk
-        readmit = (self.reconnects.readmit if self.distributed
+        readmit = (self.reconnects.readmit if self.every_rank
                    else disk_readmit(client, self.served, on_admit=self.disk.reconnect))
         self.rollout.start_generation(self.served, readmit=readmit, scheduler_state=scheduler_state)
 
@@ -156,88 +178,87 @@ class WeightPublisher:
         once it was joined, with the step that published it."""
         t0 = time.perf_counter()
         self.wait()
-        done: dict[str, float] = {}
         waited = time.perf_counter() - t0
         version = self.version + 1
-        job = self._prepare(version)  # the export's collectives and the snapshot: on this (the main) thread
+        job = self._stage(version)  # the export's collectives, the snapshot or disk write: this thread
+        done: dict[str, float] = {}
         if self.overlap:
-            self._inflight = _Push(version, step, self._thread.submit(_timed, job))
-        else:
-            done = _timed(job)
+            self._inflight = _Push(version, step, self._thread.submit(self._deliver, job))
+        elif self.every_rank:  # the transport shares its verdict with every rank itself
+            done = self._deliver(job)
+        else:  # rank 0 loads alone: its failure must stop the others too
+            done = rank0_call(lambda: self._deliver(job)) or {}
         self.version = version
         if not self.rank0:
             return {}
         return done | {"timing/weight_sync_s": time.perf_counter() - t0, "timing/weight_push_wait_s": waited}
 
-    def _prepare(self, version: int) -> Callable[[], dict[str, float]]:
-        """Everything of a push that runs collectives over the trainer's groups or reads the actor's
-        parameters; returns the rest (transport push, pause, commit), which may run on another thread."""
-        paused = self._paused(version) if self.rank0 else None
-        if self.distributed:
+    def _stage(self, version: int) -> Staged:
+        """(main thread, collective) Everything of a push that runs collectives over the trainer's groups or
+        reads the actor's parameters; the transport keeps what the delivery needs."""
+        if self.every_rank:  # each owner sends its own share
             self._reconnect_restarted()
-            sender, owned = self._sender(iter_owned_hf_tensors(self.c.exporter))
-            if self.overlap:  # the next optimizer step may change the parameters while the push reads them
-                owned = self._snapshot(owned)
+            return self.transport.stage(iter_owned_hf_tensors(self.exporter), version, snapshot=self.overlap)
+        gen = export_weights(self.exporter)  # gathered to rank 0, which writes it while the engines generate
 
-            def push() -> dict[str, float]:
-                out = sender.push(owned, version, paused=paused)
-                if self.rank0:  # restarted engines the push reached serve again
-                    self._admit_reconnected({l.url for l in self.transport.links if l.failed is None})
-                else:
-                    self.served.set(None, version)  # rank 0 committed inside the pause
-                return _metrics(out or {})
-            return push
-        gen = export_weights(self.c)
-        if not self.overlap:  # rank 0 writes the export while the engines generate, then loads it
-            return lambda: _metrics(rank0_call(lambda: self.transport.push(gen, version, paused=paused),
-                                               others=lambda: drain(gen)) or {})
-        # The written directory is the snapshot: the next update cannot change it, and host memory stays
-        # at one shard (rollout.weight_sync's disk writer) whatever the model's size.
-        verify = self.rank0 and self.disk.needs_verify
-        written = rank0_call(lambda: self._write(gen, version, verify), others=lambda: drain(gen))
-        if not self.rank0:
-            return lambda: {}
-        path, sums, seconds = written
-        return lambda: _metrics(self.disk.load_written(path, version, sums, verify=verify, paused=paused) |
-                                {"weight_sync/write_seconds": seconds})
+        def write() -> Staged:
+            try:
+                return self.transport.stage(gen, version)
+            finally:
+                drain(gen)
+        return rank0_call(write, others=lambda: drain(gen)) or NothingStaged(version)
 
-    def _write(self, gen, version: int, verify: bool) -> tuple[pathlib.Path, dict, float]:
+    def _deliver(self, job: Staged) -> dict[str, float]:
+        """(main thread, or the push worker) Deliver a staged push and commit its version; its metrics."""
         t0 = time.perf_counter()
+        if self.rank0:
+            self.rollout.bridge.run(self._deliver_paused(job))
+        else:
+            asyncio.run(job.deliver())  # a distributed push: this rank's buckets; else nothing
+            self._commit(job)
+        out = job.finish()
+        if self.rank0 and self._reconnecting:  # restarted engines the push reached serve again
+            self._admit_reconnected(job.reached or set())
+        return _metrics(out) | {"timing/weight_push_s": time.perf_counter() - t0} if out else {}
+
+    async def _deliver_paused(self, job: Staged) -> None:
+        """(rank 0, the bridge's loop) Generation paused → the engines take the push → commit → continue.
+        The scheduler continues every engine it paused whatever happens in between."""
+        client = self.rollout.client
+        if not self.every_rank and not client.healthy_urls():
+            # Every engine is down (restarting): nothing to pause or load; they load these on readmission.
+            return await self._record(job)
         try:
-            _, owned = self._sender(gen)
-            path, sums = self.disk.write(owned, version, checksums=verify)
-        finally:
-            drain(gen)
-        return path, sums, time.perf_counter() - t0
+            await self.rollout.scheduler.on_weights_updated(job.version, lambda: self._load(job))
+        except EngineUnavailable as exc:
+            if client.healthy_urls():
+                raise
+            # The last engines died during the push. As when they were down before it: the weights are
+            # recorded, restarted engines load them on readmission, and the next batch waits for an engine
+            # (NoEngineError after rollout.no_engine_timeout_s).
+            log.warning("every engine failed during the v%d weight push (%s); engines readmitted later load "
+                        "these weights", job.version, exc)
+            await self._record(job)
 
-    def _sender(self, owned: Iterable[tuple[str, torch.Tensor]]):
-        """The transport that sends and what it sends: an FP8 wrapper's quantization runs here, on the main
-        thread, so that a snapshot holds what the engines load (and half the bytes)."""
-        from sao_megatron.rollout.weight_sync import Fp8BlockSync
+    async def _load(self, job: Staged) -> None:
+        """(rank 0, generation paused) Engine admissions wait on the lock: none may miss this push."""
+        async with self.served.lock:
+            self.served.pending = job.version
+            try:
+                await job.deliver()
+                self._commit(job)
+            finally:
+                self.served.pending = None
 
-        if isinstance(self.transport, Fp8BlockSync):
-            from sao_megatron.rollout.fp8_weights import requantize
+    async def _record(self, job: Staged) -> None:
+        """(rank 0) No engine took the push: commit it for the engines readmitted later."""
+        async with self.served.lock:
+            self._commit(job)
+        self.rollout.scheduler.set_version(job.version)
 
-            return self.transport.inner, requantize(owned, self.transport.scheme)
-        return self.transport, owned
-
-    def _snapshot(self, owned: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """This rank's share of the export copied into host buffers reused by every push.
-
-        Why a copy rather than holding the next optimizer step until the push read the parameters: the TP
-        gathers that assemble the share are collectives over the training groups and must run on the main
-        thread before it trains again, so the gathered tensors have to be kept either way. Host memory is
-        the rank's owned share (all ranks together: one copy of the model); GPU memory is unchanged, since
-        the transport stages one bucket (rollout.weight_sync_bucket_mb) at a time onto the device."""
-        pin = torch.cuda.is_available()
-        out = []
-        for name, tensor in owned:
-            buf = self._buffers.get(name)
-            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-                buf = self._buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-            buf.copy_(tensor)
-            out.append((name, buf))
-        return out
+    def _commit(self, job: Staged) -> None:
+        """The one place a push's version becomes the served one (rank 0: the directory with it)."""
+        self.served.set(job.path if self.rank0 else None, job.version)
 
     def wait(self) -> dict[str, float]:
         """Collective: join the push in flight, if any; rank 0 gets its metrics (also kept for
@@ -281,47 +302,9 @@ class WeightPublisher:
         if self._inflight is not None:
             concurrent.futures.wait([self._inflight.future])
 
-    def _paused(self, version: int) -> Callable[[Callable[[], Awaitable[None]]], None]:
-        """(rank 0) Runs a transport's update coroutine with generation paused; commits ``version``."""
-        rollout, served = self.rollout, self.served
-        path = self.disk.sync_root / f"v{version:06d}" if not self.distributed else None
-
-        def run(update: Callable[[], Awaitable[None]]) -> None:
-            async def locked() -> None:  # engine admissions wait: none may miss this push
-                async with served.lock:
-                    served.pending = version
-                    try:
-                        await update()
-                        served.set(path, version)
-                    finally:
-                        served.pending = None
-            if not self.distributed and not rollout.client.healthy_urls():
-                # Every engine is down (restarting): nothing to pause or load; they load these on readmission.
-                rollout.bridge.run(self._record(path, version))
-                return
-            try:
-                rollout.bridge.run(rollout.scheduler.on_weights_updated(version, locked))
-            except EngineUnavailable as exc:
-                if rollout.client.healthy_urls():
-                    raise
-                # The last engines died during the push. As when they were down before it: the weights
-                # are recorded, restarted engines load them on readmission, and the next batch waits
-                # for an engine (NoEngineError after rollout.no_engine_timeout_s).
-                log.warning("every engine failed during the v%d weight push (%s); engines readmitted "
-                            "later load these weights", version, exc)
-                rollout.bridge.run(self._record(path, version))
-        return run
-
-    async def _record(self, path, version: int) -> None:
-        async with self.served.lock:
-            self.served.set(path, version)
-        self.rollout.scheduler.set_version(version)
-
     # ------------------------------------------------------------------ restarted engines (distributed)
     def _reconnect_restarted(self) -> None:
         """Collective: rebuild the update groups of engines restarted since the last push."""
-        from sao_megatron.rollout.weight_sync_distributed import WeightSyncError
-
         self._reconnecting = self.reconnects.take() if self.rank0 else []
         pairs = broadcast_object([(old, new) for old, new, _ in self._reconnecting] if self.rank0 else None)
         for old, new in pairs:
@@ -360,12 +343,6 @@ def _push_thread_device(device: int | None) -> None:
     if device is not None:
         torch.cuda.set_device(device)
         torch.cuda.set_stream(torch.cuda.Stream(device))
-
-
-def _timed(job: Callable[[], dict[str, float]]) -> dict[str, float]:
-    t0 = time.perf_counter()
-    out = job()
-    return out | {"timing/weight_push_s": time.perf_counter() - t0} if out else out
 
 
 def _metrics(out: dict[str, float]) -> dict[str, float]:

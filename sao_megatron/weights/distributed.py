@@ -1,7 +1,7 @@
 """``rollout.weight_sync=distributed``: every owner of a slice of the weights sends it over its own groups.
 
 Called on EVERY trainer rank (collectively). A *sender* is a rank that owns
-tensors of the export (``training.run.export.iter_owned_hf_tensors``: TP shards
+tensors of the export (``weights.export.iter_owned_hf_tensors``: TP shards
 gathered inside their TP group, each PP stage and each EP rank with global
 expert ids). Each sender joins one SGLang update group per engine
 (``{prefix}_r{rank}_e{engine}``: the sender is group rank 0, the engine's ranks
@@ -35,9 +35,8 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -45,94 +44,17 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from sao_megatron.errors import SaoError
-from sao_megatron.rollout.send_buffers import GLOO_PIPELINE_BYTES, Flat, SendBuffers, smallest_alone, timed
 from sao_megatron.rollout.update_group import FLATTENED_BUCKET, dtype_name, init_custom_process_group
-from sao_megatron.rollout.weight_check import (
-    EngineHolding, StreamingChecksums, WeightMismatchError, compare_checksums)
+from sao_megatron.rollout.weight_check import EngineHolding, StreamingChecksums, WeightMismatchError
+from sao_megatron.weights.links import EngineLink, EngineSyncFailed, _SenderStats, _World, address_towards
+from sao_megatron.weights.send_buffers import GLOO_PIPELINE_BYTES, Flat, SendBuffers, smallest_alone, timed
+from sao_megatron.weights.staged import Paused, deliver_now
+from sao_megatron.weights.verify import Unverified, WeightSyncError, verify_engines
 
 logger = logging.getLogger(__name__)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
-Paused = Callable[[Callable[[], Awaitable[None]]], None]
-"""Runs an update coroutine while generation is paused (rank 0's scheduler), blocking until it is done."""
-
-
-class WeightSyncError(SaoError):
-    """The weights could not be delivered to any engine, or an engine cannot take part in the sync."""
-
-
-class EngineSyncFailed(RuntimeError):
-    """One engine failed during a sync (dead, timed out, or refused); the others continue."""
-
-
-@dataclass
-class EngineLink:
-    """One engine as seen by one sender: its URL, size and this sender's group with it."""
-
-    index: int
-    url: str
-    tp_size: int
-    holding: EngineHolding = EngineHolding(None)
-    """How the engine holds the weights it reports checksums of (from its /server_info)."""
-    group_name: str = ""
-    group: Any = None
-    failed: str | None = None
-    joins: int = 0
-    """Groups built with this engine so far: each gets a new name (a broken group cannot be destroyed
-    cleanly while its collective is pending, and torch refuses to reuse the name)."""
-
-
-@dataclass
-class _SenderStats:
-    owned: int = 0
-    """Bytes this sender owns (it sends them to each engine)."""
-    bytes: int = 0
-    buckets: int = 0
-    seconds: float = 0.0
-    failed: dict[str, str] = field(default_factory=dict)
-    checksums: dict[EngineHolding, dict[str, str]] = field(default_factory=dict)
-    """Per way of holding the weights (engines may differ): the checksums the engines must report."""
-    phases: dict[str, float] = field(default_factory=dict)
-    """Seconds this sender spent per step of the push (``flatten``, ``wait_send``): the fixed costs."""
-
-
-class _World:
-    """Rank-0-centred object collectives over the trainer's group (a lone process without one)."""
-
-    def __init__(self, group=None, *, alone: bool = False):
-        self.group = group
-        self.on = not alone and dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(group) if self.on else 0
-        self.size = dist.get_world_size(group) if self.on else 1
-
-    @classmethod
-    def alone(cls) -> _World:
-        return cls(alone=True)
-
-    def bcast(self, obj: Any) -> Any:
-        if not self.on:
-            return obj
-        box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
-        return box[0]
-
-    def gather(self, obj: Any) -> list[Any]:
-        if not self.on:
-            return [obj]
-        box: list[Any] = [None] * self.size
-        dist.all_gather_object(box, obj, group=self.group)
-        return box
-
-
-def address_towards(host: str) -> str:
-    """This host's address on the route to ``host`` (the engines): where they can dial our group's
-    TCP store. A hostname that resolves to loopback (Debian's 127.0.1.1) or to another interface than
-    the one that reaches the engines is the classic multi-node failure; routing cannot be wrong. A UDP
-    connect sends nothing, it only asks the kernel for the route."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(host), 9))
-        return s.getsockname()[0]
+__all__ = ["DistributedWeightSync", "EngineLink", "EngineSyncFailed", "WeightSyncError", "address_towards"]
 
 
 class DistributedWeightSync:
@@ -173,6 +95,7 @@ class DistributedWeightSync:
             pipeline_bytes = GLOO_PIPELINE_BYTES if backend == "gloo" else bucket_bytes
         self.chunk_bytes = min(bucket_bytes, pipeline_bytes)
         self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsync-send")
+        self._snapshots: dict[str, torch.Tensor] = {}  # stage(snapshot=True): reused by every push
 
     # ------------------------------------------------------------------ HTTP
     def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -308,18 +231,33 @@ class DistributedWeightSync:
              verify: bool = False) -> dict[str, float]:
         """Every rank: send this rank's tensors; rank 0 pauses generation around it (``paused``) and returns
         the metrics (others return {}). Raises WeightSyncError / WeightMismatchError on every rank."""
-        if self.world.rank != 0:
-            self._send_all(owned, version, verify)
-            return {}
-        result: dict[str, float] = {}
+        return deliver_now(self.stage(owned, version, verify=verify), paused if self.world.rank == 0 else None)
 
-        async def update() -> None:
-            result.update(await asyncio.to_thread(self._send_all, owned, version, verify))
-        if paused is None:
-            asyncio.run(update())
-        else:
-            paused(update)
-        return result
+    def stage(self, owned: Iterable[tuple[str, torch.Tensor]], version: int, *, snapshot: bool = False,
+              verify: bool = False) -> _Send:
+        """Every rank, on the thread that trains: this rank's share of a push, to deliver later.
+        ``snapshot``: copy the share into host buffers now (the next optimizer step may change the
+        parameters while the delivery reads them); else the export is read, gathers included, as it is
+        sent (the caller's training thread must wait for the delivery)."""
+        return _Send(self, self._snapshot(owned) if snapshot else owned, version, verify)
+
+    def _snapshot(self, owned: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """This rank's share of the export copied into host buffers reused by every push.
+
+        Why a copy rather than holding the next optimizer step until the push read the parameters: the TP
+        gathers that assemble the share are collectives over the training groups and must run on the main
+        thread before it trains again, so the gathered tensors have to be kept either way. Host memory is
+        the rank's owned share (all ranks together: one copy of the model); GPU memory is unchanged, since
+        the push stages one bucket (rollout.weight_sync_bucket_mb) at a time onto the device."""
+        pin = torch.cuda.is_available()
+        out = []
+        for name, tensor in owned:
+            buf = self._snapshots.get(name)
+            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                buf = self._snapshots[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            buf.copy_(tensor)
+            out.append((name, buf))
+        return out
 
     def _send_all(self, owned: Iterable[tuple[str, torch.Tensor]], version: int, verify: bool) -> dict[str, float]:
         start = time.perf_counter()
@@ -540,71 +478,24 @@ class DistributedWeightSync:
         return {l.url: l.failed for l in self.links if l.failed is not None}
 
 
-@dataclass(frozen=True, slots=True)
-class Unverified:
-    """What a push's verification could not check."""
+class _Send:
+    """A staged distributed push (see ``weights.staged``): every rank sends its share on delivery."""
 
-    engines: int
-    """Engines whose checksums were not compared at all (CUDA, tp > 1, FP8, no /weights_checker)."""
-    tensors: int
-    """On the engines that were compared, the most exported tensors one of them left unchecked: parts of a
-    fused parameter whose other parts were exported elsewhere (another rank, another disk shard), so the
-    fused checksum cannot be formed, and (``weight_sync_strict_names`` off) names the engine does not
-    report."""
+    path = None
 
-    def metrics(self) -> dict[str, float]:
-        """``verified``: every engine reached had its checksums compared (and none differed);
-        ``unverified_tensors`` says how much of the export that comparison could not cover."""
-        return {"weight_sync/verified": float(not self.engines),
-                "weight_sync/unverified_engines": float(self.engines),
-                "weight_sync/unverified_tensors": float(self.tensors)}
+    def __init__(self, sync: DistributedWeightSync, owned: Iterable[tuple[str, torch.Tensor]], version: int,
+                 verify: bool):
+        self.sync, self.owned, self.version, self.verify = sync, owned, version, verify
+        self.reached: set[str] | None = None
+        self._metrics: dict[str, float] = {}
 
+    async def deliver(self) -> None:
+        """Stream the buckets on a thread of its own (rank 0: the event loop keeps serving the pause)."""
+        self._metrics = await asyncio.to_thread(self.sync._send_all, self.owned, self.version, self.verify)
 
-def verify_engines(http: httpx.Client, engines: list[tuple[str, EngineHolding]],
-                   expected: dict[EngineHolding, dict[str, str]], *, strict: bool) -> Unverified:
-    """Compare the checksums of every engine whose holding can be reproduced (WeightMismatchError on a
-    difference); count what could not be compared, and say so once per push."""
-    engines_left, tensors_left = 0, 0
-    for url, holding in engines:
-        if holding.unverifiable:
-            logger.warning("%s: weights not verified (%s); the log-prob parity gate covers it", url,
-                           holding.unverifiable)
-            engines_left += 1
-            continue
-        sums = expected.get(holding, {})
-        compared = check_engine(http, url, sums, strict=strict)
-        if not compared:
-            engines_left += 1
-        elif compared < len(sums):
-            tensors_left = max(tensors_left, len(sums) - compared)
-    if tensors_left:
-        logger.warning("weight verification left %d exported tensors unchecked (parts of fused parameters "
-                       "split over export shards or ranks; see docs/weight-publishing.md#verification)",
-                       tensors_left)
-    return Unverified(engines_left, tensors_left)
-
-
-def check_engine(http: httpx.Client, url: str, expected: dict[str, str], *, strict: bool) -> int:
-    """Compare one engine's ``/weights_checker`` checksums with ``expected`` (as the engine holds the
-    weights: ``weight_check.EngineHolding``); returns tensors compared. WeightMismatchError on a
-    difference. 0 (not verified, with a warning) when the engine reports several ranks (shards) or
-    no tensor named alike on both sides.
-    """
-    try:
-        reply = http.post(url.rstrip("/") + "/weights_checker", json={"action": "checksum"}).json()
-    except (httpx.HTTPError, ValueError) as exc:
-        raise WeightSyncError(f"{url}/weights_checker failed: {exc}") from None
-    if not reply.get("success"):
-        raise WeightSyncError(f"{url}/weights_checker failed: {reply.get('message')}")
-    ranks = reply.get("ranks") or []
-    if len(ranks) != 1 or any(int(i["tp_size"]) > 1 for i in ranks[0]["parallelism_info"]):
-        logger.warning("%s reports checksums of %d ranks (shards): not comparable with full tensors; not "
-                       "verified", url, len(ranks))
-        return 0
-    compared = compare_checksums(expected, ranks[0]["checksums"], where=f"engine {url}", require_all=strict)
-    if not compared:
-        logger.warning("%s: no tensor named alike on both sides; weights not verified", url)
-    return compared
+    def finish(self) -> dict[str, float]:
+        self.reached = {l.url for l in self.sync.links if l.failed is None}
+        return self._metrics if self.sync.world.rank == 0 else {}
 
 
 def _settle(future: Future) -> None:

@@ -1,32 +1,20 @@
-"""Push trainer weights (HF names, full tensors) to the rollout engines: one interface, two transports.
+"""``rollout.weight_sync=disk``: safetensors parts on a shared file system, loaded by every engine.
 
-``build_weight_sync(rollout_cfg, ...)`` is the one place that picks the
-transport from ``rollout.weight_sync``:
-- ``disk`` (:class:`DiskWeightSync`): every owner writes its own tensors as
-  safetensors parts into one directory on the shared file system (no rank-0
-  funnel), rank 0 adds the index and template files and renames the directory
-  into place atomically, then every engine loads it (``/update_weights_from_disk``)
-  while generation is paused. NOT inside a ``/begin_weight_update`` session: SGLang's
-  disk path restores, loads and post-processes the weights itself
-  (``model_runner_components/weight_updater.py:update_weights_from_disk`` →
-  ``DefaultModelLoader.load_weights_and_postprocess``) and never marks the session as
-  loaded, so ``/end_weight_update`` would run ``post_load_weights`` and
-  ``postprocess_weights`` a second time (``scheduler_components/weight_updater.py:
-  end_weight_update``: ``run_post_load = not self._session.loaded_weights``), which
-  re-packs already processed (e.g. FP8) weights;
-- ``distributed`` (``nccl`` accepted as an alias): SGLang's update groups, see
-  ``weight_sync_distributed.py``.
-
-Both are called the same way on every trainer rank (``collective=True``) with
-this rank's share of the export (``training.run.export.iter_owned_hf_tensors``):
-``connect(engine_urls, is_sender=...)`` once, ``push(owned, version, paused=...)``
-per step, ``reconnect(url)`` for a restarted engine, ``close()``. With
-``collective=False`` a disk sync runs in rank 0 alone (a rank-0 stream).
+:class:`DiskWeightSync`: every owner writes its own tensors as safetensors parts into one directory on
+the shared file system (no rank-0 funnel), rank 0 adds the index and template files and renames the
+directory into place atomically (``stage``: the engines keep generating), then every engine loads it
+(``/update_weights_from_disk``) while generation is paused (the staged push's ``deliver``). NOT inside a
+``/begin_weight_update`` session: SGLang's disk path restores, loads and post-processes the weights itself
+(``model_runner_components/weight_updater.py:update_weights_from_disk`` →
+``DefaultModelLoader.load_weights_and_postprocess``) and never marks the session as loaded, so
+``/end_weight_update`` would run ``post_load_weights`` and ``postprocess_weights`` a second time
+(``scheduler_components/weight_updater.py: end_weight_update``: ``run_post_load = not
+self._session.loaded_weights``), which re-packs already processed (e.g. FP8) weights.
+:func:`write_hf_safetensors` writes a whole HF directory in one process (exports, restarts).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -35,33 +23,20 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import torch
 
-from sao_megatron.config.schema import RolloutConfig
 from sao_megatron.rollout.weight_check import EngineHolding, StreamingChecksums
-from sao_megatron.rollout.weight_sync_distributed import (
-    DistributedWeightSync, Paused, Unverified, WeightSyncError, _World, verify_engines)
+from sao_megatron.weights.distributed import _World
+from sao_megatron.weights.staged import Paused, deliver_now
+from sao_megatron.weights.verify import Unverified, WeightSyncError, verify_engines
 
 logger = logging.getLogger(__name__)
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
-
-
-class WeightSync(Protocol):
-    """What the trainer calls on every rank (see the module docstring)."""
-
-    def connect(self, engine_urls: list[str] | None, *, is_sender: bool) -> None: ...
-
-    def push(self, owned: NamedTensors, version: int, *, paused: Paused | None = None,
-             verify: bool = False) -> dict[str, float]: ...
-
-    def reconnect(self, engine_url: str | None, new_url: str | None = None) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def _copy_template(template_dir: Path, out: Path) -> None:
@@ -152,8 +127,6 @@ def _atomic_replace_dir(src: Path, dst: Path) -> None:
     os.replace(dst, trash)
     os.replace(src, dst)
     shutil.rmtree(trash, ignore_errors=True)
-
-
 
 
 class DiskWeightSync:
@@ -255,15 +228,12 @@ class DiskWeightSync:
     def push(self, owned: NamedTensors, version: int, *, paused: Paused | None = None,
              verify: bool = False) -> dict[str, float]:
         """Write while engines keep generating, then pause → load → continue (rank 0); metrics on rank 0."""
-        start = time.perf_counter()
-        verify = verify or self.needs_verify
-        path, sums = self.write(owned, version, checksums=verify)
-        written = time.perf_counter()
+        job = self.stage(owned, version, verify=verify)
         verdict: Any = None
         error: Exception | None = None
         if self.world.rank == 0:
             try:
-                verdict = self._load(path, version, paused, sums if verify else None)
+                verdict = deliver_now(job, paused)
             except Exception as exc:  # shared with every rank below, then raised here
                 verdict = f"{type(exc).__name__}: {exc}"
                 error = exc
@@ -272,33 +242,31 @@ class DiskWeightSync:
             if error is not None:
                 raise error
             raise WeightSyncError(f"rank 0 failed the disk weight sync: {verdict}")
-        self.needs_verify = self.needs_verify and not verify
-        if self.world.rank != 0:
-            return {}
-        return {**verdict, "weight_sync/write_seconds": written - start,
-                "weight_sync/load_seconds": time.perf_counter() - written,
-                "weight_sync/seconds": time.perf_counter() - start}
+        self.needs_verify = self.needs_verify and not job.verify
+        return verdict if self.world.rank == 0 else {}
 
-    def load_written(self, path: Path, version: int, sums: dict, *, verify: bool,
-                     paused: Paused | None = None) -> dict[str, float]:
-        """(rank 0, ``collective=False``) The second half of ``push`` for a directory ``write`` returned: for a
-        caller that writes on its main thread and loads on another (``training.run.publisher``)."""
+    def stage(self, owned: NamedTensors, version: int, *, verify: bool = False) -> _Load:
+        """Collective: write ``sync_root/v{version}`` now (the engines keep generating); the returned push
+        loads it. The written directory is the snapshot: the next update cannot change it, and host memory
+        stays at one shard whatever the model's size."""
         start = time.perf_counter()
-        verdict = self._load(path, version, paused, sums if verify else None)
-        self.needs_verify = self.needs_verify and not verify
-        return {**verdict, "weight_sync/load_seconds": time.perf_counter() - start}
+        verify = verify or self.needs_verify
+        path, sums = self.write(owned, version, checksums=verify)
+        return _Load(self, path, version, sums if verify else None, written_s=time.perf_counter() - start)
 
-    def _load(self, path: Path, version: int, paused: Paused | None, expected: dict | None) -> dict:
-        async def update() -> None:  # no session: see the module docstring
-            await self.client.update_weights_from_disk(str(path), weight_version=version)
-        if paused is None:
-            asyncio.run(update())
-        else:
-            paused(update)
+    async def load(self, path: Path, version: int) -> None:
+        """(rank 0) Every engine loads ``path``. No session: see the module docstring."""
+        await self.client.update_weights_from_disk(str(path), weight_version=version)
+
+    def check(self, path: Path, expected: dict | None) -> dict[str, float]:
+        """(rank 0) After a load: verify the engines serving (``expected``: the written checksums, None: no
+        verification), prune old directories; the load's metrics."""
         urls = self.client.healthy_urls()
         unverified = Unverified(len(urls), 0) if expected is None else verify_engines(
             self.http, [(u, self.holdings.get(u, EngineHolding(None, unverifiable="not connected"))) for u in urls],
             expected, strict=self.strict_names)
+        if expected is not None:
+            self.needs_verify = False
         self._prune()
         nbytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         return {"weight_sync/bytes": float(nbytes), **unverified.metrics()}
@@ -309,78 +277,25 @@ class DiskWeightSync:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def build_weight_sync(rollout_cfg, *, client, run_dir: str | Path, template_dir: str | Path | None,
-                      collective: bool = True, world_group=None, checkpoint_dtype: str | None = None) -> WeightSync:
-    """The transport ``rollout_cfg.weight_sync`` names (``nccl`` is an alias of ``distributed``).
+class _Load:
+    """A staged disk push (see ``weights.staged``): the directory is written; rank 0's engines load it."""
 
-    ``client``: rank 0's RolloutClient (None on the other ranks). ``collective``: every trainer
-    rank calls the sync (required by ``distributed``); False runs a disk sync on rank 0 alone.
-    ``checkpoint_dtype``: the export's ``torch_dtype`` (how SGLang's ``--dtype auto`` holds it).
-    """
-    sync = _build_transport(rollout_cfg, client=client, run_dir=run_dir, template_dir=template_dir,
-                            collective=collective, world_group=world_group, checkpoint_dtype=checkpoint_dtype)
-    return Fp8BlockSync(sync) if rollout_cfg.engine_weight_format == "fp8_block" else sync
+    reached = None
 
+    def __init__(self, sync: DiskWeightSync, path: Path | None, version: int, expected: dict | None, *,
+                 written_s: float):
+        self.sync, self.path, self.version, self.expected = sync, path, version, expected
+        self.verify = expected is not None
+        self.written_s = written_s
+        self._started: float | None = None
 
-class Fp8BlockSync:
-    """A transport whose pushes send block-FP8 weights (``fp8_weights.requantize``) for FP8-serving engines,
-    quantized as the engines' own ``quantization_config`` says (read at ``connect``)."""
+    async def deliver(self) -> None:
+        self._started = time.perf_counter()
+        await self.sync.load(self.path, self.version)
 
-    def __init__(self, inner: WeightSync, scheme=None):
-        self.inner, self.scheme = inner, scheme
-
-    def connect(self, engine_urls: list[str] | None, *, is_sender: bool) -> None:
-        from sao_megatron.rollout.fp8_weights import engine_scheme
-
-        self.inner.connect(engine_urls, is_sender=is_sender)
-        found = None
-        if engine_urls:  # rank 0: the checkpoint the engines serve (they all serve the same one)
-            try:
-                found = engine_scheme(self.inner.http.get(engine_urls[0].rstrip("/") + "/model_info").json())
-            except (ValueError, httpx.HTTPError) as exc:
-                found = f"{engine_urls[0]}: {exc}"
-        found = self.inner.world.bcast(found)
-        if isinstance(found, str):
-            raise WeightSyncError(found)
-        self.scheme = found
-
-    def push(self, owned: NamedTensors, version: int, *, paused: Paused | None = None,
-             verify: bool = False) -> dict[str, float]:
-        from sao_megatron.rollout.fp8_weights import requantize
-
-        if self.scheme is None:
-            raise WeightSyncError("Fp8BlockSync.push before connect: the engines' quantization_config is not known")
-        return self.inner.push(requantize(owned, self.scheme), version, paused=paused, verify=verify)
-
-    def reconnect(self, engine_url: str | None, new_url: str | None = None) -> None:
-        self.inner.reconnect(engine_url, new_url)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def __getattr__(self, name: str):  # transport-specific extras (failed_engines, ...)
-        return getattr(self.inner, name)
-
-
-def _build_transport(rollout_cfg: RolloutConfig, *, client, run_dir, template_dir, collective, world_group,
-                     checkpoint_dtype) -> WeightSync:
-    kind = "distributed" if rollout_cfg.weight_sync == "nccl" else rollout_cfg.weight_sync
-    strict = rollout_cfg.engine == "embedded"  # it names every tensor as weight_check.held_name does
-    held = dict(strict_names=strict, checkpoint_dtype=checkpoint_dtype,
-                quantized=rollout_cfg.engine_weight_format == "fp8_block")
-    if kind == "disk":
-        return DiskWeightSync(client=client, sync_root=Path(run_dir) / "weights", template_dir=template_dir,
-                              collective=collective, world_group=world_group, verify=rollout_cfg.weight_sync_verify,
-                              api_key=rollout_cfg.api_key, timeout_s=rollout_cfg.weight_sync_timeout_s, **held)
-    if kind == "distributed":
-        if not collective:
-            raise ValueError("rollout.weight_sync=distributed is called on every trainer rank (each owner sends "
-                             "its own tensors): build it with collective=True")
-        # CPU trainers (the embedded engine, or embedded servers behind rollout.engine=sglang on CPU
-        # Slurm nodes) send over gloo; NCCL needs CUDA tensors on both ends.
-        gpu = rollout_cfg.engine != "embedded" and torch.cuda.is_available()
-        return DistributedWeightSync(
-            backend="nccl" if gpu else "gloo",
-            bucket_bytes=rollout_cfg.weight_sync_bucket_mb << 20, timeout_s=rollout_cfg.weight_sync_timeout_s,
-            api_key=rollout_cfg.api_key, verify=rollout_cfg.weight_sync_verify, world_group=world_group, **held)
-    raise ValueError(f"rollout.weight_sync must be disk or distributed (nccl is an alias), got {kind!r}")
+    def finish(self) -> dict[str, float]:
+        """(rank 0) Verification after the pause; the write's and the load's seconds."""
+        out = self.sync.check(self.path, self.expected)
+        loaded = time.perf_counter() - (self._started or time.perf_counter())
+        return {**out, "weight_sync/write_seconds": self.written_s, "weight_sync/load_seconds": loaded,
+                "weight_sync/seconds": self.written_s + loaded}
