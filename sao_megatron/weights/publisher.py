@@ -180,6 +180,7 @@ class WeightPublisher:
         self.wait()
         waited = time.perf_counter() - t0
         version = self.version + 1
+        staged_at = time.perf_counter()
         job = self._stage(version)  # the export's collectives, the snapshot or disk write: this thread
         done: dict[str, float] = {}
         if self.overlap:
@@ -188,6 +189,8 @@ class WeightPublisher:
             done = self._deliver(job)
         else:  # rank 0 loads alone: its failure must stop the others too
             done = rank0_call(lambda: self._deliver(job)) or {}
+        if done:  # synchronous: the push took the staging (export, write) and the delivery
+            done["timing/weight_push_s"] = time.perf_counter() - staged_at
         self.version = version
         if not self.rank0:
             return {}
