@@ -339,15 +339,18 @@ def _probe(url: str, **kw):
     return asyncio.run(run())
 
 
-def test_probe_tells_ok_busy_and_dead_apart():
+def test_probe_tells_ok_busy_stuck_and_dead_apart():
     from sao_megatron.net import free_port
     from sao_megatron.rollout.health import EngineState
 
     fast, slow, unhealthy = _Engine(0.0), _Engine(2.0), _Engine(0.0, health_status=503)
     try:
         assert _probe(fast.url) is EngineState.OK
-        assert _probe(slow.url, health_timeout_s=0.5) is EngineState.BUSY  # old client: dead after its bound
-        assert _probe(unhealthy.url) is EngineState.BUSY  # SGLang's 503 of a paused engine
+        # Not paused by us and /health past its bound or 503 (SGLang: scheduler or detokenizer not answering):
+        # alive but stuck, which the supervisor counts towards a restart; never dead (the old client's verdict).
+        assert _probe(slow.url, health_timeout_s=0.5) is EngineState.STUCK
+        assert _probe(unhealthy.url) is EngineState.STUCK
+        assert _probe(unhealthy.url, paused=True) is EngineState.BUSY  # SGLang's 503 of an engine we paused
         start = time.perf_counter()
         assert _probe(slow.url, paused=True) is EngineState.BUSY  # paused: /health is not asked
         assert time.perf_counter() - start < 1.5
