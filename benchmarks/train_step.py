@@ -238,7 +238,7 @@ def role_report(timing: dict, flops: FlopCount, *, tokens: int, peak: float | No
 def make_batch(cfg, *, seq_len: int, microbatches: int, device: torch.device):
     """A LocalBatch of ``microbatches`` rows of ``seq_len`` tokens: an eighth prompt, the rest the
     response (action tokens), a reward on the last token, rollout log-probs filled in later."""
-    from sao_megatron.training.step.batch import LocalBatch
+    from sao_megatron.training.step.batch import LocalBatch, MicroBatch
 
     g = torch.Generator().manual_seed(0)
     prompt = seq_len // 8
@@ -251,9 +251,9 @@ def make_batch(cfg, *, seq_len: int, microbatches: int, device: torch.device):
         mb = {"tokens": torch.randint(0, cfg.model.vocab_size, (1, seq_len), generator=g), "action_mask": mask,
               "token_rewards": rewards, "rollout_logprobs": torch.zeros(1, seq_len),
               "versions": torch.zeros(1, seq_len, dtype=torch.long), "row": torch.tensor([i])}
-        mbs.append({k: v.to(device) for k, v in mb.items()})
-    full = {"rewards": torch.stack([mb["token_rewards"].sum().cpu() for mb in mbs]),
-            "group_id": torch.arange(microbatches), "action_mask": torch.cat([mb["action_mask"].cpu() for mb in mbs])}
+        mbs.append(MicroBatch(**{k: v.to(device) for k, v in mb.items()}))
+    full = {"rewards": torch.stack([mb.token_rewards.sum().cpu() for mb in mbs]),
+            "group_id": torch.arange(microbatches), "action_mask": torch.cat([mb.action_mask.cpu() for mb in mbs])}
     return LocalBatch(microbatches=mbs, full=full, num_tokens=int(full["action_mask"].sum()),
                       num_sequences=microbatches, device=device)
 
@@ -283,10 +283,10 @@ def run_project(args, cfg, device: torch.device, peak: float | None) -> tuple[di
     actor, critic = build_role(cfg, ctx, "actor"), build_role(cfg, ctx, "critic")
     batch = make_batch(cfg, seq_len=args.seq_len, microbatches=args.microbatches, device=ctx.device)
     # The engines sampled from this policy: their log-probs are the actor's own (ratios near 1).
-    for mb, lp in zip(batch.microbatches, compute_logprobs(actor.chunks, batch.microbatches, ctx=ctx,
-                                                           vocab_size=cfg.model.vocab_size)):
-        mb["rollout_logprobs"] = lp
-    rl_step.attach_advantages(batch, cfg.algorithm, rl_step.critic_values(critic, batch, ctx=ctx))
+    own = compute_logprobs(actor.chunks, batch.microbatches, ctx=ctx, vocab_size=cfg.model.vocab_size)
+    batch = dataclasses.replace(batch, microbatches=[mb.with_(rollout_logprobs=lp)
+                                                     for mb, lp in zip(batch.microbatches, own, strict=True)])
+    batch = rl_step.attach_advantages(batch, cfg.algorithm, rl_step.critic_values(critic, batch, ctx=ctx))
     settings = rl_step.PolicySettings(vocab_size=cfg.model.vocab_size, temperature=cfg.rollout.temperature,
                                       entropy_coef=cfg.actor.entropy_coef)
     steps = {"actor": lambda: rl_step.actor_update(actor, batch, cfg.algorithm, settings, ctx=ctx),

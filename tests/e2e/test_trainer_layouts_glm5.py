@@ -1,6 +1,6 @@
 """The trainer's update on a tiny GLM-5 (MLA + DeepSeek sparse attention) is layout-independent.
 
-Same procedure as test_trainer_layouts.py (mp_scripts/update_parity.py: one `Trainer._update` on a
+Same procedure as test_trainer_layouts.py (mp_scripts/update_parity.py: one `Trainer.update` on a
 fixed batch whose sequences reach 16 tokens, twice the indexer's top-k): the TP1 run saves its
 freshly initialised actor + critic, every layout loads them (resharding) and must reproduce the
 TP1 losses, grad norm and entropy. TP2xEP2 with sequence parallelism and EP2xDP2 take 4 ranks,

@@ -5,6 +5,7 @@ hand-written knobs (the functions themselves are checked against slow loops in t
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -66,10 +67,10 @@ def step_losses(name, monkeypatch):
     if baseline is not None:
         baseline.update(torch.tensor([0.1, 0.3]))
         baseline.update(torch.tensor([0.9]))
-    batch.outcome_advantages = rl_step.outcome_advantages(batch, alg, baseline)
+    batch = dataclasses.replace(batch, outcome_advantages=rl_step.outcome_advantages(batch, alg, baseline))
     values = [torch.randn(mb["tokens"].shape, generator=torch.Generator().manual_seed(7 + i))
               for i, mb in enumerate(batch.microbatches)] if SPEC[name][0] == "gae" else None
-    rl_step.attach_advantages(batch, alg, values)
+    batch = rl_step.attach_advantages(batch, alg, values)
     losses = []
 
     def fake_step(ddp, optimizer, scheduler, mbs, loss_fn, *, ctx):

@@ -1,11 +1,10 @@
 """`sao-megatron train`: the SAO loop on Megatron actor + critic with asynchronous rollouts.
 
-Per step (docs/architecture.md#the-loop): take the first B finished samples → critic values →
-skip-observation GAE → actor DIS step → K critic steps → stream the actor's
-weights to the engines (version + 1; with ``rollout.overlap_weight_push`` in the background while
-the next step trains). Rank 0 owns the rollout side; every rank trains its data-parallel shard of
-the same batch. Parts are built by
-``training.run.components``; checkpoints and the audit live in ``training.run.run_state``.
+Per step (docs/architecture.md#the-loop): take the first B finished samples, run ``rl_step.update`` on them
+(critic values → advantages → actor step → K critic steps), push the actor's weights to the engines
+(version + 1; with ``rollout.overlap_weight_push`` started after the actor's step, while the critic and the
+next step train), log, checkpoint. Rank 0 owns the rollout side; every rank trains its data-parallel shard.
+Parts come from ``training.run.components``; checkpoints and the audit live in ``training.run.run_state``.
 """
 
 from __future__ import annotations
@@ -14,24 +13,24 @@ import logging
 import pathlib
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
 from sao_megatron.config import ExperimentConfig, to_dict, write_resolved
-from sao_megatron.models.routing_replay import route_metrics
-from sao_megatron.parallel.collectives import any_rank, broadcast_object, gather_metrics, rank0_call
+from sao_megatron.parallel.collectives import any_rank, broadcast_object, rank0_call
 from sao_megatron.scheduler.sample import Sample
 from sao_megatron.training.step import rl_step
-from sao_megatron.training.step.batch import LocalBatch, prepare_batch
+from sao_megatron.training.step.batch import prepare_local_batch
 from sao_megatron.training.run.components import Components, build_components, initial_weights
 from sao_megatron.training.run.evaluation import PeriodicEval
 from sao_megatron.training.run.metrics_log import MetricsLogger, reward_summary
-from sao_megatron.training.step.offload import park, resident
+from sao_megatron.training.step.offload import park
 from sao_megatron.training.step.optim import NonFiniteGuard
 from sao_megatron.weights.publisher import WeightPublisher
 from sao_megatron.training.run.run_state import RunState
-from sao_megatron.training.step.step_metrics import batch_metrics, value_metrics
+from sao_megatron.training.step.step_metrics import batch_metrics
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +46,13 @@ class Trainer:
         if self.rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_resolved(cfg, self.run_dir, scheduler_mode=self.c.mode)
-        self.offload = cfg.resources.offload_idle_optimizer  # only the stepping model's optimizer on the GPU
+        self.settings = rl_step.StepSettings.from_config(cfg)
         self.state = RunState(self.run_dir, keep_last=cfg.checkpoint.keep_last, rank0=self.rank0,
-                              offload=self.offload, async_save=cfg.checkpoint.async_save,
+                              offload=self.settings.offload, async_save=cfg.checkpoint.async_save,
                               verify_checksums=cfg.checkpoint.verify_checksums)
         self.step = 0
         self.publisher = WeightPublisher(cfg, self.c.exporter, self.run_dir, rank0=self.rank0)  # owns the weight version
         self.guard = NonFiniteGuard(cfg.run.max_nan_steps)
-        self.policy = rl_step.PolicySettings(vocab_size=cfg.model.vocab_size, temperature=cfg.rollout.temperature,
-                                             entropy_coef=cfg.actor.entropy_coef, ppo_epochs=cfg.actor.ppo_epochs,
-                                             num_minibatches=cfg.actor.num_minibatches,
-                                             update_norm=cfg.actor.log_update_norm)
         self.rollout = None
         self.logger = (MetricsLogger(self.run_dir, cfg.logging, run_name=self.run_dir.name,
                                      config_dict=to_dict(cfg)) if self.rank0 else None)
@@ -66,16 +61,15 @@ class Trainer:
         self._rows: dict[int, dict[str, Any]] = {}  # steps whose overlapped push is still in flight
         self.evaluator = (PeriodicEval.from_config(cfg.eval, self.c.task, cfg.data, cfg.rollout,
                                                    num_steps=cfg.run.num_steps) if self.rank0 else None)
-        if self.offload:  # Megatron logs every move at INFO (four lines a step); its setup lines are done by now
+        if self.settings.offload:  # Megatron logs every move at INFO (four lines a step); its setup is done
             logging.getLogger("megatron.core.optimizer.optimizer").setLevel(logging.WARNING)
 
     @property
     def version(self) -> int:
-        """The actor's policy version: updates applied (the publisher's). The engines serve it once no
-        push is in flight (``publisher.served``); samples are trained, audited and judged stale against it."""
+        """The actor's policy version, updates applied (the publisher's; the engines serve it once no push is
+        in flight: ``publisher.served``): samples are trained, audited and judged stale against it."""
         return self.publisher.version
 
-    # ------------------------------------------------------------------ the loop
     def run(self) -> int:
         """Train to ``run.num_steps``; returns 0 when done (also after a signal-triggered checkpoint)."""
         self._install_signal_handlers()
@@ -93,7 +87,7 @@ class Trainer:
                 initial_weights(self.c, self.cfg)
             for model in self.c.models().values():  # loaded and warmed up: the optimizers go idle
                 if model is not None:
-                    park(model, offload=self.offload)
+                    park(model, offload=self.settings.offload)
             self._start_rollout(state)
             if state is None and self.c.critic is not None and self.cfg.critic.pretrain_steps:
                 self._pretrain_critic()
@@ -102,7 +96,8 @@ class Trainer:
             while self.step < self.cfg.run.num_steps:
                 self._log(self.train_step())
                 self.state.saves.poll()  # publishes a finished async checkpoint
-                if self._should_save() or any_rank(self._stop_signal is not None):
+                every = self.cfg.checkpoint.save_interval
+                if (every and self.step % every == 0) or any_rank(self._stop_signal is not None):
                     self.save()
                     if self._stop_signal is not None:
                         self.state.saves.wait()
@@ -132,71 +127,48 @@ class Trainer:
         self.state.audit(samples, step=self.step, version=self.version, phase="rl")
         self.state.audit_dropped(self.rollout.take_dropped() if self.rank0 else [], step=self.step)
         t_audit = time.perf_counter()
-        metrics = self._update(samples, publish_early=self.publisher.overlap)
-        t2 = time.perf_counter()
-        train_s = t2 - t_audit - metrics.get("timing/weight_sync_s", 0.0)  # less an overlapped publish's blocking part
-        if metrics.pop("_applied"):
-            metrics |= self.publisher.publish(step=self.step)
+        pushed: dict[str, float] = {}
+
+        def push() -> None:  # the actor's weights are final; overlapped, the push runs while the critic trains
+            pushed.update(self.publisher.publish(step=self.step))
+
+        result = self.update(samples, after_actor=push if self.publisher.overlap else None)
+        train_s = time.perf_counter() - t_audit - pushed.get("timing/weight_sync_s", 0.0)  # less its blocking part
+        if result.applied and not self.publisher.overlap:
+            push()
         self.step += 1
-        metrics |= {"version": self.version, "timing/wait_batch_s": t1 - t0, "timing/train_s": train_s,
-                    "timing/audit_s": t_audit - t1, "timing/step_s": time.perf_counter() - t0}
+        metrics = result.metrics | pushed | {
+            "version": self.version, "timing/wait_batch_s": t1 - t0, "timing/train_s": train_s,
+            "timing/audit_s": t_audit - t1, "timing/step_s": time.perf_counter() - t0}
         metrics["timing/tokens_per_s"] = metrics.get("batch/num_tokens", 0.0) / max(metrics["timing/step_s"], 1e-9)
         return metrics
 
-    # ------------------------------------------------------------------ one update
-    def _update(self, samples: list[Sample], *, publish_early: bool = False) -> dict[str, Any]:
-        """One policy update (and K critic steps) on ``samples``; ``_applied``: the caller publishes.
-        ``publish_early``: publish right after the actor step (overlapped pushes), then ``_applied`` is False."""
-        cfg, c, ctx, version = self.cfg, self.c, self.c.ctx, self.version
-        batch = self._batch(samples, cfg.actor.max_tokens_per_microbatch, min_microbatches=cfg.actor.num_minibatches)
-        batch.outcome_advantages = rl_step.outcome_advantages(batch, cfg.algorithm, c.baseline)
-        values = rl_step.critic_values(c.critic, batch, ctx=ctx) if c.critic else None
-        rl_step.attach_advantages(batch, cfg.algorithm, values)
-        with resident(c.actor, offload=self.offload):
-            actor = rl_step.actor_update(c.actor, batch, cfg.algorithm, self.policy, ctx=ctx)
-        # Overlapped, the push starts as soon as the actor's weights are final: the engines load them while
-        # the critic trains (and the next batch is collected), so they serve the new version sooner.
-        early = publish_early and actor.applied
-        pushed = self.publisher.publish(step=self.step) if early else {}
-        local = rl_step.policy_metrics(batch, actor)
-        routes = route_metrics(c.actor.chunks, device=ctx.device) if self.cfg.rollout.routing_replay else {}
-        if c.critic is not None:
-            critic = self._critic_steps(batch)
-            local |= value_metrics(batch, critic) if actor.outputs else {}
-        contributes = ctx.is_last_stage and ctx.tp_rank == 0
-        metrics = gather_metrics(local if contributes else {}, rl_step.rank_weight(batch))
-        self.guard.record(actor, self.step)
-        metrics |= batch_metrics(samples, batch.full, version) | rl_step.summary(actor, "actor") | routes
-        if c.critic is not None:
-            metrics |= rl_step.summary(critic[-1], "critic")
-        return metrics | pushed | {"_applied": actor.applied and not early}
-
-    def _batch(self, samples: list[Sample], max_tokens: int, min_microbatches: int = 1) -> LocalBatch:
-        ctx = self.c.ctx
-        return prepare_batch(samples, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, pad_multiple=ctx.tp_size,
-                             max_tokens=max_tokens, vocab_size=self.cfg.model.vocab_size, device=ctx.device,
-                             min_microbatches=min_microbatches)
-
-    def _critic_steps(self, batch: LocalBatch):
-        with resident(self.c.critic, offload=self.offload):
-            return rl_step.critic_updates(self.c.critic, batch, ctx=self.c.ctx, value_clip=self.cfg.critic.value_clip,
-                                          num_updates=self.cfg.critic.num_updates_per_step)
+    def update(self, samples: list[Sample], *, after_actor: Callable[[], None] | None = None) -> rl_step.StepResult:
+        """Collective: one RL step on ``samples`` (``rl_step.update``; ``after_actor`` runs once the actor's
+        update is applied) and the non-finite guard; the result's metrics include the batch's."""
+        cfg, c, version = self.cfg, self.c, self.version
+        batch = prepare_local_batch(samples, c.ctx, max_tokens=cfg.actor.max_tokens_per_microbatch,
+                                    vocab_size=cfg.model.vocab_size, min_microbatches=cfg.actor.num_minibatches)
+        result = rl_step.update(c.actor, c.critic, batch, self.settings, ctx=c.ctx, baseline=c.baseline,
+                                after_actor=after_actor)
+        self.guard.record(result.actor, self.step)
+        result.metrics |= batch_metrics(samples, batch.full, version)
+        return result
 
     def _pretrain_critic(self) -> None:
         """Value pretraining on rollouts of the frozen initial policy (actor untouched, version 0)."""
         cfg = self.cfg
         for i in range(cfg.critic.pretrain_steps):
             samples = self._next_batch()
-            batch = self._batch(samples, cfg.critic.max_tokens_per_microbatch)
-            rl_step.attach_advantages(batch, cfg.algorithm, rl_step.critic_values(self.c.critic, batch, ctx=self.c.ctx))
-            results = self._critic_steps(batch)
+            batch = prepare_local_batch(samples, self.c.ctx, max_tokens=cfg.critic.max_tokens_per_microbatch,
+                                        vocab_size=cfg.model.vocab_size)
+            results = rl_step.value_pretrain_step(self.c.critic, batch, self.settings, ctx=self.c.ctx)
             self.state.audit(samples, step=self.step, version=self.version, phase="value_pretrain")
             if self.rank0:  # no policy update happened: the staleness budget must not shrink
                 self.rollout.reset_admission_budget()
                 log.info("value pretraining %d/%d: critic loss %.4f", i + 1, cfg.critic.pretrain_steps,
                          results[-1].loss)
 
-    # ------------------------------------------------------------------ rollout side
     def _next_batch(self) -> list[Sample]:
         from sao_megatron.rollout.supervisor import NoEngineError
 
@@ -218,11 +190,6 @@ class Trainer:
         self.rollout = self.publisher.start(
             lambda: build_rollout_side(self.cfg, self.c.task, mode=self.c.mode, run_dir=self.run_dir),
             (state or {}).get("scheduler"))
-
-    # ------------------------------------------------------------------ checkpoints
-    def _should_save(self) -> bool:
-        every = self.cfg.checkpoint.save_interval
-        return bool(every) and self.step % every == 0
 
     def save(self) -> None:
         """Collective: models + optimizers + trainer state into an atomic checkpoint directory (after the push
@@ -246,7 +213,6 @@ class Trainer:
             self.c.baseline.load_state_dict(state["baseline"])
         return state
 
-    # ------------------------------------------------------------------ logging, signals
     def _log(self, metrics: dict[str, Any]) -> None:
         if self.rank0:  # logged under the 0-based index of the step just trained
             metrics |= self.rollout.metrics()
@@ -272,11 +238,8 @@ class Trainer:
             self.logger.log(step, self._rows.pop(step))
 
     def _install_signal_handlers(self) -> None:
-        def handler(signum, _frame):
-            self._stop_signal = signum
-
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, handler)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # checkpoint and exit after the step in progress
+            signal.signal(sig, lambda signum, _frame: setattr(self, "_stop_signal", signum))
 
     def close(self, *, raise_push_error: bool = True) -> None:
         """Waits for the push in flight and closes everything; its error raises after closing unless
@@ -290,9 +253,8 @@ class Trainer:
         self.publisher.close()
         if self.rollout is not None:
             self.rollout.close()
-        if self.logger is not None:
-            if self.rank0:
-                self._flush_rows(final=True)
+        if self.logger is not None:  # rank 0's
+            self._flush_rows(final=True)
             self.logger.close()
         if error is not None:
             raise error

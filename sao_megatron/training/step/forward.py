@@ -1,6 +1,6 @@
 """Forward/backward over a list of micro-batches with Megatron's schedules (PP = 1, 1F1B, interleaved).
 
-Micro-batch format: a dict with ``tokens`` [b, s] (right-padded), optional
+Micro-batch format: a mapping with ``tokens`` [b, s] (right-padded), optional
 ``position_ids`` [b, s] (default 0..s-1) and any per-task tensors the loss
 needs. Attention is causal only: with right padding, real tokens never attend
 to padding, so no padding mask is needed. Shapes may differ between
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,8 +33,9 @@ from sao_megatron.models.routing_replay import replaying
 if TYPE_CHECKING:
     from sao_megatron.parallel.bootstrap import ParallelContext
 
-MicroBatch = dict[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+MicroBatchLike = Mapping[str, torch.Tensor]
+"""Any mapping of tensors with ``tokens``: the RL step's typed ``batch.MicroBatch``, or a plain dict."""
+LossFn = Callable[[torch.Tensor, MicroBatchLike], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
@@ -42,14 +43,14 @@ def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-def position_ids_of(mb: MicroBatch) -> torch.Tensor:
+def position_ids_of(mb: MicroBatchLike) -> torch.Tensor:
     tokens = mb["tokens"]
     if "position_ids" in mb:
         return mb["position_ids"]
     return torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
 
 
-def check_microbatches(microbatches: Sequence[MicroBatch], ctx: ParallelContext, config) -> None:
+def check_microbatches(microbatches: Sequence[MicroBatchLike], ctx: ParallelContext, config) -> None:
     """ValueError with the fix when the micro-batches cannot run on this layout."""
     shapes = {tuple(mb["tokens"].shape) for mb in microbatches}
     for shape in shapes:
@@ -63,7 +64,7 @@ def check_microbatches(microbatches: Sequence[MicroBatch], ctx: ParallelContext,
                          f"got {len(microbatches)}")
 
 
-def forward_backward(model_chunks: Sequence[torch.nn.Module], microbatches: Sequence[MicroBatch], loss_fn: LossFn,
+def forward_backward(model_chunks: Sequence[torch.nn.Module], microbatches: Sequence[MicroBatchLike], loss_fn: LossFn,
                      *, ctx: ParallelContext, forward_only: bool = False) -> list[dict[str, torch.Tensor]]:
     """Run every micro-batch through the model chunks (and backward unless ``forward_only``).
 
@@ -106,11 +107,11 @@ def _uses_te(chunk: torch.nn.Module) -> bool:
     return any(type(m).__module__.startswith("megatron.core.extensions.transformer_engine") for m in chunk.modules())
 
 
-def _inputs(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(mb: MicroBatchLike) -> tuple[torch.Tensor, torch.Tensor]:
     return mb["tokens"], position_ids_of(mb)
 
 
-def _pad_inputs(mb: MicroBatch, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _pad_inputs(mb: MicroBatchLike, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right/bottom-pad tokens with 0 (causal attention: real tokens never see the padding)."""
     tokens, positions = _inputs(mb)
     b, s = tokens.shape
@@ -120,7 +121,7 @@ def _pad_inputs(mb: MicroBatch, rows: int, cols: int) -> tuple[torch.Tensor, tor
     return tokens, positions
 
 
-def _megatron_loss(loss_fn: LossFn, mb: MicroBatch, output: torch.Tensor):
+def _megatron_loss(loss_fn: LossFn, mb: MicroBatchLike, output: torch.Tensor):
     b, s = mb["tokens"].shape
     loss, metrics = loss_fn(output[:b, :s], mb)  # drop the padding of fixed-shape pipelines
     # The 3-tuple form with calculate_per_token_loss=True: Megatron leaves the loss unscaled.
@@ -128,7 +129,7 @@ def _megatron_loss(loss_fn: LossFn, mb: MicroBatch, output: torch.Tensor):
 
 
 def _forward_only_tensors(model_chunks, microbatches, ctx: ParallelContext,
-                          per_token: Callable[[torch.Tensor, MicroBatch], torch.Tensor], *,
+                          per_token: Callable[[torch.Tensor, MicroBatchLike], torch.Tensor], *,
                           broadcast: bool) -> list[torch.Tensor]:
     """Run forward only, collect one [b, s] fp32 tensor per micro-batch, optionally broadcast over PP."""
     def loss_fn(output, mb):
@@ -159,7 +160,7 @@ def _broadcast_from_last_stage(results, microbatches, ctx: ParallelContext) -> l
     return out
 
 
-def compute_logprobs(actor_chunks: Sequence[torch.nn.Module], microbatches: Sequence[MicroBatch], *,
+def compute_logprobs(actor_chunks: Sequence[torch.nn.Module], microbatches: Sequence[MicroBatchLike], *,
                      ctx: ParallelContext, vocab_size: int, temperature: float = 1.0,
                      broadcast: bool = True) -> list[torch.Tensor]:
     """Per-token log-probs [b, s] per micro-batch (column 0 = 0), no gradient.
@@ -174,7 +175,7 @@ def compute_logprobs(actor_chunks: Sequence[torch.nn.Module], microbatches: Sequ
     return _forward_only_tensors(actor_chunks, microbatches, ctx, per_token, broadcast=broadcast)
 
 
-def compute_values(critic_chunks: Sequence[torch.nn.Module], microbatches: Sequence[MicroBatch], *,
+def compute_values(critic_chunks: Sequence[torch.nn.Module], microbatches: Sequence[MicroBatchLike], *,
                    ctx: ParallelContext, broadcast: bool = True) -> list[torch.Tensor]:
     """Per-token values [b, s] per micro-batch, aligned like log-probs (column 0 = 0), no gradient."""
     return _forward_only_tensors(critic_chunks, microbatches, ctx, lambda v, mb: token_values(v),

@@ -23,7 +23,7 @@ from megatron.core.utils import get_model_config
 
 from sao_megatron.config.schema import OptimizerConfig
 from sao_megatron.errors import SaoError
-from sao_megatron.training.step.forward import LossFn, MicroBatch, forward_backward
+from sao_megatron.training.step.forward import LossFn, MicroBatchLike, forward_backward
 
 if TYPE_CHECKING:
     from sao_megatron.parallel.bootstrap import ParallelContext
@@ -135,7 +135,7 @@ def uses_loss_scaler(optimizer) -> bool:
 
 
 def optimizer_step(ddp_chunks: Sequence[DistributedDataParallel], optimizer, scheduler,
-                   microbatches: Sequence[MicroBatch], loss_fn: LossFn, *, ctx: ParallelContext) -> UpdateResult:
+                   microbatches: Sequence[MicroBatchLike], loss_fn: LossFn, *, ctx: ParallelContext) -> UpdateResult:
     """The one training step: zero grads, forward/backward every micro-batch, clip, step the optimizer
     and (when applied) the LR schedule. Skipped on every rank if any rank saw a non-finite loss.
 

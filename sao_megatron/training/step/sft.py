@@ -16,7 +16,7 @@ from sao_megatron.config import ModelConfig, RunConfig
 from sao_megatron.models.actor import token_logprobs
 from sao_megatron.parallel.collectives import broadcast_object, rank0_call
 from sao_megatron.scheduler.sample import demonstration_sample
-from sao_megatron.training.step.batch import prepare_batch
+from sao_megatron.training.step.batch import prepare_local_batch
 from sao_megatron.training.step.optim import optimizer_step
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,7 @@ def supervised_warmup(actor, task, ctx, *, run: RunConfig, model: ModelConfig, m
     losses = []
     for step in range(run.sft_steps):
         samples = broadcast_object(demonstration_batch(task, rng, run.sft_batch_size) if rank0 else None)
-        batch = prepare_batch(samples, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, pad_multiple=ctx.tp_size,
-                              max_tokens=max_tokens, vocab_size=model.vocab_size, device=ctx.device)
+        batch = prepare_local_batch(samples, ctx, max_tokens=max_tokens, vocab_size=model.vocab_size)
 
         def loss_fn(logits, mb):
             lp, _ = token_logprobs(logits, mb["tokens"], tp_group=ctx.tp_group, vocab_size=model.vocab_size,

@@ -23,21 +23,21 @@ def main() -> None:
     cfg = load_config(config, ["run.sft_steps=0", "run.max_nan_steps=2"])
     trainer = Trainer(cfg, pathlib.Path(out).parent / "nan_run", resume="never")
     before = [p.detach().clone() for p in trainer.c.actor.chunks[0].parameters()]
-    good = trainer._update(fixed_samples(cfg.model.vocab_size))
+    good = trainer.update(fixed_samples(cfg.model.vocab_size))
     bad_samples = fixed_samples(cfg.model.vocab_size)
     for s in bad_samples:
         s.reward = math.nan
     after_good = [p.detach().clone() for p in trainer.c.actor.chunks[0].parameters()]
-    first = trainer._update(bad_samples)
+    first = trainer.update(bad_samples)
     unchanged = all(torch.equal(a, p) for a, p in zip(after_good, trainer.c.actor.chunks[0].parameters()))
     try:
-        trainer._update(bad_samples)
+        trainer.update(bad_samples)
         stopped = ""
     except NonFiniteLossError as exc:
         stopped = str(exc)
-    result = {"good_applied": good["_applied"], "changed_by_good": any(not torch.equal(b, a)
+    result = {"good_applied": good.applied, "changed_by_good": any(not torch.equal(b, a)
                                                                        for b, a in zip(before, after_good)),
-              "bad_applied": first["_applied"], "unchanged_by_bad": unchanged, "stopped": stopped}
+              "bad_applied": first.applied, "unchanged_by_bad": unchanged, "stopped": stopped}
     pathlib.Path(out).write_text(json.dumps(result))
     trainer.close()
 

@@ -30,8 +30,9 @@ def one_update(config: str, run_dir: pathlib.Path, epochs: int, minibatches: int
                                "scheduler.batch_size=16", "actor.optimizer.lr=0.05",
                                f"actor.ppo_epochs={epochs}", f"actor.num_minibatches={minibatches}"])
     trainer = Trainer(cfg, run_dir, resume="never")
-    metrics = trainer._update(grouped(cfg.model.vocab_size))
-    out = {"clip_frac": metrics.get("actor/clip_frac"), "applied": metrics["_applied"],
+    result = trainer.update(grouped(cfg.model.vocab_size))
+    metrics = result.metrics
+    out = {"clip_frac": metrics.get("actor/clip_frac"), "applied": result.applied,
            "lr_steps": trainer.c.actor.scheduler.num_steps}
     trainer.close()
     return out

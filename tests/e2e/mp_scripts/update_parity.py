@@ -1,4 +1,4 @@
-"""One trainer update (`Trainer._update`) on a fixed batch; run under torchrun at several layouts.
+"""One trainer update (`Trainer.update`) on a fixed batch; run under torchrun at several layouts.
 
 usage: update_parity.py CONFIG CKPT_DIR OUT_JSON [--save] [--set k=v ...]
 With --save (TP1), the freshly initialised actor+critic are saved to CKPT_DIR first; every layout
@@ -47,7 +47,7 @@ def main() -> None:
         save_checkpoint(pathlib.Path(ckpt) / "critic", trainer.c.critic.chunks)
     load_checkpoint(pathlib.Path(ckpt) / "actor", trainer.c.actor.chunks)
     load_checkpoint(pathlib.Path(ckpt) / "critic", trainer.c.critic.chunks)
-    metrics = trainer._update(fixed_samples(cfg.model.vocab_size))
+    metrics = trainer.update(fixed_samples(cfg.model.vocab_size)).metrics
     if dist.get_rank() == 0:
         keep = {k: v for k, v in metrics.items() if isinstance(v, float)}
         pathlib.Path(out).write_text(json.dumps(keep))
