@@ -39,15 +39,29 @@ def test_first_step_loss_equal_at_tp2_and_ep2(tmp_path):
             assert other[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
 
 
-def test_non_finite_loss_is_skipped_then_stops(tmp_path):
-    out = tmp_path / "nan.json"
+@pytest.fixture(scope="module")
+def nan_guard(tmp_path_factory) -> dict:
+    """mp_scripts/nan_guard.py's findings: one good update, then non-finite ones (one process)."""
+    out = tmp_path_factory.mktemp("nan") / "nan.json"
     proc = launch([REPO / "tests" / "e2e" / "mp_scripts" / "nan_guard.py", CONFIG, out], cwd=REPO, timeout=600,
                   check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_non_finite_loss_is_skipped_then_stops(nan_guard):
+    r = nan_guard
     assert r["good_applied"] and r["changed_by_good"]
     assert not r["bad_applied"] and r["unchanged_by_bad"]
     assert "consecutive" in r["stopped"] and "run.max_nan_steps" in r["stopped"]
+
+
+def test_after_actor_runs_between_the_actor_and_the_critic_steps(nan_guard):
+    """Where an overlapped weight push starts: the actor's weights are final, the critic has not stepped."""
+    r = nan_guard
+    assert r["hook_calls_good"] == 1 and r["actor_final_at_hook"] and r["critic_untouched_at_hook"]
+    assert r["critic_changed_after"]
+    assert r["hook_calls_bad"] == 0  # a skipped update makes no new version to push
 
 
 @pytest.mark.parametrize("override, message", [
