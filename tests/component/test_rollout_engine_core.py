@@ -1,14 +1,14 @@
 """The embedded engine's scheduling core, driven step by step in-process (no HTTP, deterministic).
 
 Every log-prob is compared with a fresh full HF forward of the weights that
-produced the token (fp32, 1e-5): batched left-padded decode, retract (KV rebuilt
+produced the token (fp32, rollout_fixtures.LOGPROB_TOL): batched left-padded decode, retract (KV rebuilt
 under new weights), in_place (old cache kept), abort with partial output.
 """
 
 from __future__ import annotations
 
 import pytest
-from rollout_fixtures import EOS, assert_close, hf_reference, tiny_dirs  # noqa: F401 - fixture
+from rollout_fixtures import EOS, LOGPROB_TOL, assert_close, hf_reference, tiny_dirs  # noqa: F401 - fixture
 
 from sao_megatron.rollout.engine.core import FORCE_STREAM_INTERVAL, EngineCore, Request, request_generator
 from sao_megatron.rollout.engine.model import ModelRunner
@@ -98,6 +98,33 @@ def test_pause_update_continue(mode, tiny_dirs):  # noqa: F811
         assert_close(lps[6:], new_ref[6:])
     else:  # in_place: the old cache is reused, so the new log-probs are NOT the fresh-forward ones
         assert max(abs(a - b) for a, b in zip(lps[6:], new_ref[6:])) > 1e-3
+
+
+def test_logprob_bound_sits_clear_of_reorder_noise_and_far_below_a_wrong_weights_gap(tiny_dirs):  # noqa: F811
+    """LOGPROB_TOL's calibration on the kind of case that broke the old 1e-5 by chance (test_rollout_http's
+    pause/retract test, in-process and shorter): 40 tokens decoded beside a second row, retracted at token 12
+    and re-prefilled under new weights. The engine-vs-fresh-forward gap, fp32 reduction-order noise, must
+    sit 5x below the bound (3.6e-6 here; 1e-5 failed this); a log-prob from the old weights, 1000x above."""
+    runner = ModelRunner(tiny_dirs["base"])
+    core = EngineCore(runner, max_running=4)
+    replies: dict = {}
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompt = [74, 110]
+    core.add(make_request("a", prompt, sp, replies))
+    core.add(make_request("b", [34, 17], sp, replies))  # a second row: decode runs both in one batch
+    for _ in range(11):  # the first step samples 2 tokens (prefill + decode), each later one 1: 12 tokens
+        core.step()
+    core.pause("retract")
+    _switch_weights(core, runner, tiny_dirs["other"], "1")
+    core.resume()
+    run_until_done(core, replies, 2)
+    out, lps = replies["a"]["output_ids"], logprobs_of(replies["a"])
+    assert replies["a"]["meta_info"]["weight_versions"][0] == {"version": "0", "start": 0, "end": 12}
+    ref = hf_reference(tiny_dirs["base"], prompt, out[:12], sp) + hf_reference(tiny_dirs["other"], prompt, out, sp)[12:]
+    noise = max(abs(a - b) for a, b in zip(lps, ref))
+    wrong = max(abs(a - b) for a, b in zip(lps[12:], hf_reference(tiny_dirs["base"], prompt, out, sp)[12:]))
+    assert noise <= LOGPROB_TOL / 5, f"reorder noise {noise:.3g} vs bound {LOGPROB_TOL}"
+    assert wrong >= 1000 * LOGPROB_TOL, f"wrong-weights gap {wrong:.3g} vs bound {LOGPROB_TOL}"
 
 
 def test_abort_returns_partial_then_resubmit(runner, tiny_dirs):  # noqa: F811

@@ -3,8 +3,8 @@
 GLM-5's cache layers hold the DSA indexer's own key cache besides the MLA latents; the engine
 must carry it through batched left-padded decode, or decode fails (or selects top-k over the
 wrong keys). Every log-prob is compared with a fresh full-sequence transformers forward (fp32,
-1e-5) on sequences several times longer than the indexer's top-k (8), in batches of requests
-of different lengths, across pause (retract / in_place) and a weight update, and for a hub
+rollout_fixtures.LOGPROB_TOL) on sequences several times longer than the indexer's top-k (8), in
+batches of requests of different lengths, across pause (retract / in_place) and a weight update, and for a hub
 checkpoint that carries MTP layers (which transformers does not build).
 """
 
