@@ -1,7 +1,8 @@
-"""Rollout layer: SGLang client, embedded CPU engine, routing, weight sync.
+"""Rollout layer: SGLang client, embedded CPU engine, routing, and the weight wire both sides speak
+(update groups, loader groups, checksums); pushing weights is ``sao_megatron.weights``'.
 
-Import the light parts from here; ``engine`` (torch + transformers),
-``launch`` and ``weight_sync`` are imported from their modules.
+Import the light parts from here; ``engine`` (torch + transformers) and ``launch`` are imported from
+their modules.
 """
 
 from sao_megatron.rollout.client import RolloutClient

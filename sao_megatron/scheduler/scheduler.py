@@ -30,9 +30,10 @@ Every method must run on the scheduler's event loop (the trainer uses ``training
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from sao_megatron.config.schema import DataConfig, RolloutConfig, SchedulerConfig
@@ -381,6 +382,14 @@ class AsyncScheduler:
     async def on_weights_updated(self, version: int, update_fn: Callable[[], Awaitable[None]] | None = None) -> None:
         """Pause every engine (``partial_rollout`` mode), await ``update_fn()`` (the caller pushes the
         weights tagged ``version``), set the version, continue generation."""
+        async with self.paused(version):
+            if update_fn is not None:
+                await update_fn()
+
+    @contextlib.asynccontextmanager
+    async def paused(self, version: int) -> AsyncIterator[None]:
+        """Generation paused for the body (the caller pushes the weights tagged ``version``): on success the
+        version is set; on every path the engines paused are continued and admission reopens."""
         async with self._update_lock:
             self._gate.clear()
             for ep in self._episodes.values():
@@ -393,8 +402,7 @@ class AsyncScheduler:
             try:
                 try:
                     await self.client.pause_generation(self.runner.pause_mode)
-                    if update_fn is not None:
-                        await update_fn()
+                    yield
                     self.version = version
                 except BaseException:
                     try:  # engines left paused would never generate again; the first error says more

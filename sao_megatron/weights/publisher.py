@@ -9,7 +9,7 @@ once per policy update. A push reads top to bottom:
    The transport is picked once, at :meth:`start` (``weights.transports``); the publisher never looks
    inside it.
 2. ``job.deliver()`` with generation paused: rank 0 pauses through the scheduler
-   (``on_weights_updated``, which continues every engine it paused on every path), holds the served
+   (``scheduler.paused``, which continues every engine it paused on every path), holds the served
    lock (no engine is admitted mid-push) and delivers; the other ranks of a distributed push send their
    buckets unpaused.
 3. The version is committed once, in :meth:`_commit`: :attr:`served` (``weights.readmission.
@@ -226,13 +226,14 @@ class WeightPublisher:
 
     async def _deliver_paused(self, job: Staged) -> None:
         """(rank 0, the bridge's loop) Generation paused → the engines take the push → commit → continue.
-        The scheduler continues every engine it paused whatever happens in between."""
+        The scheduler's pause continues every engine it paused whatever happens in its body."""
         client = self.rollout.client
         if not self.every_rank and not client.healthy_urls():
             # Every engine is down (restarting): nothing to pause or load; they load these on readmission.
             return await self._record(job)
         try:
-            await self.rollout.scheduler.on_weights_updated(job.version, lambda: self._load(job))
+            async with self.rollout.scheduler.paused(job.version):
+                await self._load(job)
         except EngineUnavailable as exc:
             if client.healthy_urls():
                 raise
