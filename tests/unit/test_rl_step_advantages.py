@@ -4,6 +4,8 @@ values at observation tokens (the old code zeroed them, biasing a skip-vs-plain 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -146,3 +148,20 @@ def test_skip_observation_value_loss_stays_on_action_tokens(monkeypatch):
         assert torch.equal(mb["value_mask"], mb["action_mask"])
         assert (mb["returns"][mb["action_mask"] == 0] == 0).all()
         assert torch.equal(mb["old_values"], v * mb["action_mask"])
+
+
+def test_advantages_make_a_new_batch_and_leave_the_prepared_one_as_built():
+    """Issue 38: a micro-batch's fields are declared once and never grown in place; what the step
+    computes (advantages, returns, old values) is a new batch, so a batch holds the same whatever ran."""
+    batch = prepare_batch(multi_turn(), dp_rank=0, dp_size=1, pad_multiple=1, max_tokens=1 << 12, vocab_size=64,
+                          device="cpu")
+    alg = AlgorithmConfig(gae=GaeConfig(skip_observations=True, gamma=0.9, lam=0.8))
+    scored = rl_step.attach_advantages(batch, alg, [random_values(mb) for mb in batch.microbatches])
+    for mb in batch.microbatches:
+        assert "advantages" not in mb and "returns" not in mb and "value_mask" not in mb
+    assert batch.value_mask is None and int(scored.value_mask.sum()) == batch.num_tokens
+    for before, after in zip(batch.microbatches, scored.microbatches, strict=True):
+        assert after.tokens is before.tokens  # the inputs are shared, not copied
+        assert after.advantages.shape == after.returns.shape == before.tokens.shape
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        batch.microbatches[0].advantages = scored.microbatches[0].advantages
