@@ -18,6 +18,9 @@ import psutil
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "component"))  # the one megatron_launch (its server) of the session
+from megatron_launch import launch  # noqa: E402
+
 CONFIG = REPO / "configs" / "experiments" / "tiny_cpu.yaml"
 SMALL = ["run.num_steps=4", "run.sft_steps=2", "run.sft_batch_size=16", "scheduler.batch_size=8",
          "scheduler.concurrency=16", "critic.pretrain_steps=1", "checkpoint.save_interval=2",
@@ -26,15 +29,21 @@ SMALL = ["run.num_steps=4", "run.sft_steps=2", "run.sft_batch_size=16", "schedul
 pytestmark = pytest.mark.e2e
 
 
-def train_cmd(run_dir, *overrides, resume="auto"):
+def train_args(run_dir, *overrides, resume="auto") -> list[str]:
+    """``sao_megatron.cli train ...`` arguments of the small run (after ``python -m``)."""
     sets = [a for o in [*SMALL, *overrides] for a in ("--set", o)]
-    return [sys.executable, "-m", "sao_megatron.cli", "train", "--config", str(CONFIG), "--run-dir", str(run_dir),
-            "--resume", resume, *sets]
+    return ["sao_megatron.cli", "train", "--config", str(CONFIG), "--run-dir", str(run_dir), "--resume", resume, *sets]
+
+
+def train_cmd(run_dir, *overrides, resume="auto"):
+    """The whole command line, for tests that signal the trainer's process themselves."""
+    return [sys.executable, "-m", *train_args(run_dir, *overrides, resume=resume)]
 
 
 def run_train(run_dir, *overrides, timeout=600):
-    proc = subprocess.run(train_cmd(run_dir, *overrides), cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    """One training run to completion, forked from the session's preloaded server (megatron_launch: the
+    trainer's process skips ~6 CPU-s of torch + Megatron imports, as torchrun's ranks do there)."""
+    proc = launch(train_args(run_dir, *overrides), module=True, cwd=REPO, timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
@@ -105,6 +114,9 @@ def test_sao_steps_version_bookkeeping_staleness_and_checkpoint(tmp_path):
     assert (run_dir / "config.yaml").is_file()
 
 
+# A second whole run (41-86 s) in CI's slow stage: the default suite has GRPO's update without a critic
+# (test_trainer_layouts) and the scheduler's group mode against real engines (test_scheduler_engine).
+@pytest.mark.slow
 def test_grpo_baseline_runs(tmp_path):
     run_dir = tmp_path / "grpo"
     run_train(run_dir, "algorithm.name=grpo", "algorithm.group_size=4", "run.num_steps=2")  # mode: auto -> group
@@ -163,9 +175,9 @@ def engines_of(run_dir) -> list[str]:
 
 def test_unreachable_engine_fails_before_training(tmp_path):
     run_dir = tmp_path / "noengine"
-    proc = subprocess.run(train_cmd(run_dir, "rollout.engine=sglang", "rollout.engine_urls=[http://127.0.0.1:9]",
-                                    "rollout.startup_timeout_s=3",
-                                    "run.sft_steps=0"), cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = launch(train_args(run_dir, "rollout.engine=sglang", "rollout.engine_urls=[http://127.0.0.1:9]",
+                             "rollout.startup_timeout_s=3", "run.sft_steps=0"),
+                  module=True, cwd=REPO, timeout=300, check=False)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("sao-megatron train: error:") and "127.0.0.1:9" in last
