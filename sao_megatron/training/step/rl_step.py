@@ -101,8 +101,8 @@ class StepResult:
     critic: list[UpdateResult] = field(default_factory=list)
     """The critic's K updates (empty without a critic)."""
     metrics: dict[str, Any] = field(default_factory=dict)
-    """Step metrics every rank agrees on: policy/advantage/value metrics combined over ranks, the
-    updates' losses, norms and learning rates, route mismatch with routing replay."""
+    """The step's metrics: the updates' losses, norms and learning rates and the route mismatch (routing
+    replay) on every rank; the policy/advantage/value metrics combined over ranks on rank 0 only."""
 
     @property
     def applied(self) -> bool:
