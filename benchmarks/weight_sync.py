@@ -209,7 +209,7 @@ def embedded_load_seconds(model_dir: Path, tensors, reps: int) -> float:
 def run_size(params_m: float, reps: int, bucket_bytes: int, root: Path, kinds: list[str],
              sglang_python: str | None, caps: dict[str, int | None]) -> dict:
     """Floors and syncs interleaved rep by rep (a load spike hits every side alike); best of each."""
-    from sao_megatron.training.run.async_bridge import AsyncBridge
+    from sao_megatron.rollout.async_bridge import AsyncBridge
 
     tensors = make_checkpoint(root / "model", params_m)
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)

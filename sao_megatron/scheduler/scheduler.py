@@ -24,7 +24,7 @@ Definitions (B = ``sched_cfg.batch_size``, η = ``max_staleness``, v = trainer v
 - ``sync`` mode: episodes are admitted only while a ``next_batch`` call waits, up to the batch it
   asked for (no generation while the trainer trains).
 
-Every method must run on the scheduler's event loop (the trainer uses ``training.run.async_bridge``).
+Every method must run on the scheduler's event loop (the trainer uses ``rollout.async_bridge``).
 """
 
 from __future__ import annotations

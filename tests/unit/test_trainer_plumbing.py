@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sao_megatron.config import LoggingConfig
-from sao_megatron.training.run.async_bridge import AsyncBridge
+from sao_megatron.rollout.async_bridge import AsyncBridge
 from sao_megatron.training.run.metrics_log import MetricsLogger, read_metrics
 from sao_megatron.training.step.microbatch import plan_microbatches, round_up, slice_padded
 from sao_megatron.training.run.run_state import CheckpointManager, capture_rng, restore_rng

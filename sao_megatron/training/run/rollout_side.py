@@ -27,7 +27,7 @@ from sao_megatron.rollout.router_admin import RouterAdmin
 from sao_megatron.rollout.supervisor import EngineSupervisor, Readmit
 from sao_megatron.scheduler.sample import Sample
 from sao_megatron.scheduler.scheduler import AsyncScheduler
-from sao_megatron.training.run.async_bridge import AsyncBridge
+from sao_megatron.rollout.async_bridge import AsyncBridge
 
 log = logging.getLogger(__name__)
 

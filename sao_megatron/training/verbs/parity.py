@@ -112,7 +112,7 @@ def _generate(task, model_dir, run_dir, sampling, num_prompts, seed, engine_urls
     """(prompt ids, output ids, engine log-probs, routed experts or None) per chosen prompt."""
     from sao_megatron.rollout.client import RolloutClient
     from sao_megatron.rollout.launch import LocalEngines, local_sglang_engines
-    from sao_megatron.training.run.async_bridge import AsyncBridge
+    from sao_megatron.rollout.async_bridge import AsyncBridge
 
     prompts = task.prompts()
     chosen = random.Random(seed).sample(prompts, min(num_prompts, len(prompts)))
