@@ -187,8 +187,8 @@ class WeightPublisher:
             self._inflight = _Push(version, step, self._thread.submit(self._deliver, job))
         elif self.every_rank:  # the transport shares its verdict with every rank itself
             done = self._deliver(job)
-        else:  # rank 0 loads alone: its failure must stop the others too
-            done = rank0_call(lambda: self._deliver(job)) or {}
+        else:  # rank 0 loads alone (the others commit): its failure must stop the others too
+            done = rank0_call(lambda: self._deliver(job), others=lambda: self._deliver(job)) or {}
         if done:  # synchronous: the push took the staging (export, write) and the delivery
             done["timing/weight_push_s"] = time.perf_counter() - staged_at
         self.version = version
