@@ -224,33 +224,6 @@ def test_generate_batch_and_text_as_sglang(engines, tiny_dirs):  # noqa: F811
     assert r.status_code == 400 and "vocabulary" in r.text  # one bad prompt refuses the whole batch
 
 
-def test_engine_killed_during_sync(engines, tiny_dirs):  # noqa: F811 - kills an engine (revived for the next test)
-    sync, _ = make_sync(bucket_bytes=20_000)
-    sync.connect(engines.urls, is_sender=True)
-    real, sent = sync._send_bucket, []
-
-    def send(link, bucket, version):
-        sent.append(link.index)
-        if sent.count(1) == 2:  # engine 1 dies after its first bucket, in the middle of the sync
-            engines.kill(1)
-        return real(link, bucket, version)
-    sync._send_bucket = send
-    start = time.monotonic()
-    try:
-        metrics = sync.push(other_tensors(tiny_dirs), 8)
-        assert time.monotonic() - start < 60
-        assert metrics["weight_sync/failed_engines"] == 1 and list(sync.failed_engines()) == [engines.urls[1]]
-        assert versions(engines.urls[:1]) == ["8"]
-        metrics = sync.push(other_tensors(tiny_dirs), 9)  # the dead engine stays out until reconnect
-        assert metrics["weight_sync/failed_engines"] == 1 and versions(engines.urls[:1]) == ["9"]
-        engines.kill(0)
-        with pytest.raises(WeightSyncError, match="reached no engine"):
-            sync.push(other_tensors(tiny_dirs), 10)
-    finally:
-        sync.close()
-    assert time.monotonic() - start < 120
-
-
 def fused_reference(pushed):
     """The test's own tensors grouped under SGLang's held names, parts in SGLang's row order: q, k, v;
     each expert's gate then up (w13); the experts' down (w2). Unfused tensors stand alone."""
@@ -325,3 +298,32 @@ def test_export_failing_mid_push_ends_the_sessions(engines, tiny_dirs, fail_afte
         assert versions(engines.urls) == ["32", "32"]
     finally:
         sync.close()
+
+
+# Last in the file: it kills both engines, and each restart (a fresh process: 10-44 s) is paid by the
+# next test that takes ``engines``; here none follows in file order (the reversed CI stage still pays it).
+def test_engine_killed_during_sync(engines, tiny_dirs):  # noqa: F811 - kills the engines (revived for the next test)
+    sync, _ = make_sync(bucket_bytes=20_000)
+    sync.connect(engines.urls, is_sender=True)
+    real, sent = sync._send_bucket, []
+
+    def send(link, bucket, version):
+        sent.append(link.index)
+        if sent.count(1) == 2:  # engine 1 dies after its first bucket, in the middle of the sync
+            engines.kill(1)
+        return real(link, bucket, version)
+    sync._send_bucket = send
+    start = time.monotonic()
+    try:
+        metrics = sync.push(other_tensors(tiny_dirs), 8)
+        assert time.monotonic() - start < 60
+        assert metrics["weight_sync/failed_engines"] == 1 and list(sync.failed_engines()) == [engines.urls[1]]
+        assert versions(engines.urls[:1]) == ["8"]
+        metrics = sync.push(other_tensors(tiny_dirs), 9)  # the dead engine stays out until reconnect
+        assert metrics["weight_sync/failed_engines"] == 1 and versions(engines.urls[:1]) == ["9"]
+        engines.kill(0)
+        with pytest.raises(WeightSyncError, match="reached no engine"):
+            sync.push(other_tensors(tiny_dirs), 10)
+    finally:
+        sync.close()
+    assert time.monotonic() - start < 120
