@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from sao_megatron.rollout.health import HEALTH_TIMEOUT_S, EngineState, probe
+from sao_megatron.rollout.health import HEALTH_TIMEOUT_S, EngineState, headers_for, probe
 from sao_megatron.rollout.protocol import build_generate_payload, parse_generate_reply
 from sao_megatron.rollout.routing import LeastLoadedRouter
 from sao_megatron.rollout.transport import EngineTransport, ExchangeHook, NeverAccepted, TakenOut
@@ -81,10 +81,9 @@ class RolloutClient:
         self._paused: set[str] = set()
         """Engines sent /pause_generation and not continued since: the open pause's, and after it those whose
         continue failed (kept out of routing until continued). Health probes skip their /health, which waits."""
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # trust_env=False: a proxy from the environment must never see loopback engine traffic.
         http = httpx.AsyncClient(
-            headers=headers, trust_env=False,
+            headers=headers_for(api_key), trust_env=False,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                 keepalive_expiry=2.0))

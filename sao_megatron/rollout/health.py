@@ -41,6 +41,8 @@ class EngineState(enum.Enum):
 
 
 def headers_for(api_key: str | None) -> dict[str, str]:
+    """The HTTP headers every request to an engine or the router carries: SGLang's ``--api-key`` check
+    (``Authorization: Bearer KEY``); none without a key. Built here only."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 

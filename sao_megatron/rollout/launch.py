@@ -24,7 +24,7 @@ import httpx
 from sao_megatron.config.schema import RolloutConfig
 from sao_megatron.net import free_port
 from sao_megatron.parallel.launcher_env import child_env
-from sao_megatron.rollout.health import wait_healthy
+from sao_megatron.rollout.health import headers_for, wait_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -384,8 +384,7 @@ class SGLangRouterProcess:
     def _wait_workers(self, url: str, log: Path) -> None:
         """Until the router lists every worker as healthy."""
         deadline = time.monotonic() + self.startup_timeout_s
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        with httpx.Client(trust_env=False, timeout=2.0, headers=headers) as http:
+        with httpx.Client(trust_env=False, timeout=2.0, headers=headers_for(self.api_key)) as http:
             while time.monotonic() < deadline:
                 try:
                     workers = http.get(url + "/workers").json().get("workers", [])

@@ -1,4 +1,4 @@
-"""``rollout.weight_sync=disk``: safetensors parts on a shared file system, loaded by every engine.
+"""``rollout.weight_sync.transport=disk``: safetensors parts on a shared file system, loaded by every engine.
 
 :class:`DiskWeightSync`: every owner writes its own tensors as safetensors parts into one directory on
 the shared file system (no rank-0 funnel), rank 0 adds the index and template files and renames the
@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import torch
 
+from sao_megatron.rollout.health import headers_for
 from sao_megatron.rollout.weight_check import EngineHolding, StreamingChecksums
 from sao_megatron.weights.distributed import _World
 from sao_megatron.weights.staged import Paused, deliver_now
@@ -146,8 +147,7 @@ class DiskWeightSync:
         self.strict_names, self.checkpoint_dtype, self.quantized = strict_names, checkpoint_dtype, quantized
         self.holdings: dict[str, EngineHolding] = {}
         """Engine URL → how it holds the weights (for checksums), learned at connect/reconnect."""
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(headers=headers, trust_env=False, timeout=timeout_s)
+        self.http = httpx.Client(headers=headers_for(api_key), trust_env=False, timeout=timeout_s)
 
     def connect(self, engine_urls: list[str] | None, *, is_sender: bool) -> None:
         """Nothing to join (engines read the shared file system): learn how each engine holds weights."""

@@ -1,4 +1,4 @@
-"""``rollout.weight_sync=distributed``: every owner of a slice of the weights sends it over its own groups.
+"""``rollout.weight_sync.transport=distributed``: every owner of a slice of the weights sends it over its own groups.
 
 Called on EVERY trainer rank (collectively). A *sender* is a rank that owns
 tensors of the export (``weights.export.iter_owned_hf_tensors``: TP shards
@@ -44,6 +44,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
+from sao_megatron.rollout.health import headers_for
 from sao_megatron.rollout.update_group import FLATTENED_BUCKET, dtype_name, init_custom_process_group
 from sao_megatron.rollout.weight_check import EngineHolding, StreamingChecksums, WeightMismatchError
 from sao_megatron.weights.links import EngineLink, EngineSyncFailed, _SenderStats, _World, address_towards
@@ -80,8 +81,8 @@ class DistributedWeightSync:
         self.strict_names, self.checkpoint_dtype, self.quantized = strict_names, checkpoint_dtype, quantized
         self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
         self.world = _World(world_group)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(headers=headers, trust_env=False, timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.http = httpx.Client(headers=headers_for(api_key), trust_env=False,
+                                 timeout=httpx.Timeout(timeout_s, connect=10.0))
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="wsync-http")
         self.links: list[EngineLink] = []
         self.is_sender = False
@@ -148,13 +149,13 @@ class DistributedWeightSync:
             if dp > 1 or pp > 1:
                 return (f"engine {url} runs dp_size={dp}, pp_size={pp}: SGLang joins update groups as "
                         f"rank_offset + tp_rank and refuses distributed updates with data-parallel replicas, so "
-                        f"only dp=pp=1 engines can take rollout.weight_sync=distributed; use "
-                        f"rollout.weight_sync=disk for these engines")
+                        f"only dp=pp=1 engines can take rollout.weight_sync.transport=distributed; use "
+                        f"rollout.weight_sync.transport=disk for these engines")
             holding = EngineHolding.from_server_info(info, checkpoint_dtype=self.checkpoint_dtype,
                                                      quantized=self.quantized)
             out.append((url, int(info.get("tp_size", 1) or 1), holding))
         if not out:
-            return "rollout.weight_sync=distributed needs at least one engine URL"
+            return "rollout.weight_sync.transport=distributed needs at least one engine URL"
         return out
 
     def _join(self, link: EngineLink) -> None:
@@ -248,7 +249,7 @@ class DistributedWeightSync:
         gathers that assemble the share are collectives over the training groups and must run on the main
         thread before it trains again, so the gathered tensors have to be kept either way. Host memory is
         the rank's owned share (all ranks together: one copy of the model); GPU memory is unchanged, since
-        the push stages one bucket (rollout.weight_sync_bucket_mb) at a time onto the device."""
+        the push stages one bucket (rollout.weight_sync.bucket_mb) at a time onto the device."""
         pin = torch.cuda.is_available()
         out = []
         for name, tensor in owned:
