@@ -17,11 +17,21 @@ class RemoteRankError(SaoError):
     """Raised on the other ranks when rank 0 failed; carries rank 0's message."""
 
 
-def broadcast_object(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    box = [obj if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+def broadcast_object(obj: Any, group: dist.ProcessGroup | None = None) -> Any:
+    """``group``'s rank 0's ``obj`` on every rank of ``group`` (None: the whole world)."""
+    box = [obj if dist.get_rank(group) == 0 else None]
+    src = dist.get_global_rank(group, 0) if group is not None else 0  # broadcast_object_list takes a global rank
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def first_error(error: BaseException | None, group: dist.ProcessGroup | None = None) -> str | None:
+    """Collective: share whether each rank failed, so every rank learns of a failure at once instead of
+    the others blocking in the next collective until its timeout. ``error``: this rank's failure (None:
+    it succeeded); returns the lowest failed rank's ``"Type: message"`` on every rank, None when none failed."""
+    errors: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    return next((e for e in errors if e), None)
 
 
 def rank0_call(fn: Callable[[], T], *, others: Callable[[], None] | None = None) -> T | None:
@@ -36,11 +46,9 @@ def rank0_call(fn: Callable[[], T], *, others: Callable[[], None] | None = None)
             others()
     except Exception as exc:  # shared below, then re-raised
         error = exc
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    first = first_error(error)
     if error is not None:
         raise error
-    first = next((e for e in errors if e), None)
     if first:
         raise RemoteRankError(f"another rank failed: {first}")
     return result

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from sao_megatron.parallel.collectives import broadcast_object
 from sao_megatron.rollout.weight_check import EngineHolding
 
 
@@ -62,11 +63,7 @@ class _World:
         return cls(alone=True)
 
     def bcast(self, obj: Any) -> Any:
-        if not self.on:
-            return obj
-        box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
-        return box[0]
+        return broadcast_object(obj, self.group) if self.on else obj
 
     def gather(self, obj: Any) -> list[Any]:
         if not self.on:
