@@ -1,7 +1,7 @@
 """Step efficiency of the main job with the weight push synchronous vs overlapped, side by side (issue 24).
 
 Runs ``sao-megatron train`` on configs/experiments/tiny_cpu.yaml (fewer steps) once per arm,
-``rollout.overlap_weight_push`` false then true (``--repeats`` alternates the order), and prints per
+``rollout.weight_sync.overlap`` false then true (``--repeats`` alternates the order), and prints per
 arm the medians over the RL steps of step, train, wait_batch, weight_sync (what the step blocked on
 publishing), audit (rank 0's audit lines and dropped samples) and weight_push (the push itself, in the
 background when overlapped), the step
@@ -12,7 +12,7 @@ wall times on a shared machine are inflated by load, the side-by-side ratios les
 
     python benchmarks/step_efficiency.py                     # embedded engines, 60 steps per arm
     python benchmarks/step_efficiency.py --engine sglang     # real SGLang ($SAO_SGLANG_PYTHON or --sglang-python)
-    python benchmarks/step_efficiency.py --steps 30 --set rollout.weight_sync=distributed
+    python benchmarks/step_efficiency.py --steps 30 --set rollout.weight_sync.transport=distributed
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def load_average() -> str:
 
 
 def run_arm(args, overlap: bool, run_dir: pathlib.Path) -> dict:
-    sets = [f"run.num_steps={args.steps}", f"rollout.overlap_weight_push={str(overlap).lower()}",
+    sets = [f"run.num_steps={args.steps}", f"rollout.weight_sync.overlap={str(overlap).lower()}",
             "checkpoint.save_interval=0", "logging.log_interval=1", *args.set]
     if args.engine == "sglang":
         sets += ["rollout.engine=sglang", f"rollout.sglang_python={args.sglang_python}"]

@@ -268,16 +268,19 @@ def _test_numbers(ctx: Context, test: str) -> str:
 
 # ---------------------------------------------------------------- SAO run
 
-def _schema_options() -> tuple[bool, set[str], set[str]]:
-    """(resources.device exists, accepted rollout.weight_sync values, rollout field names) in this
-    checkout's schema."""
+def _schema_options() -> tuple[bool, str, set[str], set[str]]:
+    """(resources.device exists, the transport's key, its accepted values, rollout field names) in this
+    checkout's schema: ``rollout.weight_sync.transport`` since the section, ``rollout.weight_sync`` before."""
     import typing
 
     from sao_megatron.config import schema
 
     has_device = "device" in {f.name for f in dataclasses.fields(schema.ResourcesConfig)}
     hint = typing.get_type_hints(schema.RolloutConfig)["weight_sync"]
-    return has_device, set(typing.get_args(hint)), {f.name for f in dataclasses.fields(schema.RolloutConfig)}
+    key = "rollout.weight_sync"
+    if dataclasses.is_dataclass(hint):
+        key, hint = key + ".transport", typing.get_type_hints(hint)["transport"]
+    return has_device, key, set(typing.get_args(hint)), {f.name for f in dataclasses.fields(schema.RolloutConfig)}
 
 
 EMBEDDED_ENGINE_DTYPE = "float32"
@@ -287,16 +290,16 @@ weight checksums must be compared in it, not in the trainer's bf16."""
 
 def run_overrides(ctx: Context) -> tuple[list[str], list[str]]:
     """``--set`` values for a CUDA (or CPU) run and notes on what this checkout does not know yet."""
-    has_device, syncs, rollout_fields = _schema_options()
+    has_device, sync_key, syncs, rollout_fields = _schema_options()
     sets, notes = [], []
     if has_device:
         sets.append(f"resources.device={'cuda' if ctx.gpu else 'cpu'}")
     else:
         notes.append("resources.device not in this checkout's config (device chosen by torch.cuda)")
     if "distributed" in syncs:
-        sets.append("rollout.weight_sync=distributed")
+        sets.append(f"{sync_key}=distributed")
     else:
-        notes.append(f"weight_sync=distributed not accepted here (choices {sorted(syncs)}): default used")
+        notes.append(f"{sync_key}=distributed not accepted here (choices {sorted(syncs)}): default used")
     params = "bf16" if ctx.gpu else "fp32"
     sets.append(f"model.params_dtype={params}")
     if "engine_dtype" in rollout_fields:  # the engine's dtype, named explicitly where the config has it
@@ -323,7 +326,7 @@ def reward_gain(metrics_path: pathlib.Path) -> tuple[int, float, float]:
 def transport(log_text: str, run_dir: pathlib.Path) -> str:
     """Which trainer backend and weight-sync transport the run used, from its log and resolved config."""
     world = re.search(r"rank 0/(\d+) \((\w+), (\w+)\)", log_text)
-    sync = re.search(r"weight_sync:\s*(\S+)", (run_dir / "config.yaml").read_text()) if (
+    sync = re.search(r"weight_sync:\s*(?:transport:\s*)?(\S+)", (run_dir / "config.yaml").read_text()) if (
         run_dir / "config.yaml").is_file() else None
     backend = re.findall(r"(?i)(?:weight|update)[^\n]*?\b(gloo|nccl)\b", log_text)
     return (f"trainer world {world.group(3) if world else '?'}; weight_sync={sync.group(1) if sync else '?'}"

@@ -12,7 +12,7 @@ from sao_megatron.config.loader import (
 from sao_megatron.config.schema import (
     ActorConfig, AlgorithmConfig, CheckpointConfig, CriticConfig, DataConfig, ExperimentConfig,
     LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, ResourcesConfig, RewardPhase, RolloutConfig,
-    RunConfig, SchedulerConfig,
+    RunConfig, SchedulerConfig, WeightSyncConfig,
 )
 from sao_megatron.config.validate import validate
 
@@ -20,7 +20,7 @@ __all__ = [
     "ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig",
     "ExperimentConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
     "ResourcesConfig", "RewardPhase", "RolloutConfig", "RunConfig", "SchedulerConfig", "Sources",
-    "apply_overrides", "deep_merge", "dump_yaml", "from_dict", "load_config", "load_yaml_tree",
+    "WeightSyncConfig", "apply_overrides", "deep_merge", "dump_yaml", "from_dict", "load_config", "load_yaml_tree",
     "load_yaml_with_origins", "to_dict", "validate", "write_resolved",
 ]
 

@@ -203,12 +203,20 @@ def from_dict(cls: type[T], data: Any, *, where: str = "", source: str | Sources
 def _refuse_moved_keys(cls: type, data: dict[str, Any], fields: dict[str, dataclasses.Field], where: str,
                        src: Sources) -> None:
     """A key a class lists in ``MOVED_KEYS`` (an old spelling) is refused with where it lives now: an
-    unknown key, or a scalar where a section of the same name now stands (``algorithm.gae: token``)."""
+    unknown key, or a scalar where a section of the same name now stands (``algorithm.gae: token``). A value
+    a class lists in ``MOVED_VALUES`` (``rollout.weight_sync.transport: nccl``) is refused with the name to
+    write: the loader is the one place an old spelling is met, and it never rewrites the config."""
     moved = getattr(cls, "MOVED_KEYS", {})
     for key, value in data.items():
         if key in moved and (key not in fields or not isinstance(value, dict)):
             path = _join(where, str(key))
             raise ConfigError(f"{src.at(path)}: '{path}' is an old key: {moved[key]}")
+    for key, renamed in getattr(cls, "MOVED_VALUES", {}).items():
+        value = data.get(key)
+        if isinstance(value, str) and value in renamed:
+            path = _join(where, key)
+            raise ConfigError(f"{src.at(path)}: '{path}': {value!r} is the old name of {renamed[value]!r}: write "
+                              f"{path}: {renamed[value]} (--set {path}={renamed[value]})")
 
 
 def _with_field_default(f: dataclasses.Field, value: Any) -> Any:

@@ -333,6 +333,29 @@ class AlgorithmConfig:
 
 
 @cfg
+class WeightSyncConfig:
+    """How the weights wing (sao_megatron/weights) pushes each step's weights to the engines."""
+
+    transport: Literal["disk", "distributed"] = "disk"
+    """disk: safetensors parts + update_weights_from_disk; distributed: every owner sends its slice over SGLang
+    update groups (NCCL on GPUs, gloo on CPU)."""
+    bucket_mb: int = 512
+    """Bucket size for streaming weights to the engines."""
+    timeout_s: float = 300.0
+    """Bound on every weight-sync call and group operation: a dead engine fails the sync, never hangs it."""
+    verify: bool = True
+    """Compare the engines' /weights_checker checksums with the export after the first sync of each layout."""
+    overlap: bool = True
+    """Push each step's weights in the background while the next step trains (docs/weight-publishing.md#overlap)."""
+    format: Literal["unquantized", "fp8_block"] = "unquantized"
+    """What a push sends: the trainer's weights as they are (bf16 on GPUs), or, for SGLang engines serving a
+    block-FP8 checkpoint (DeepSeek-V3, GLM-5-FP8), float8 weights + 128x128 ``weight_scale_inv``."""
+
+    MOVED_VALUES: ClassVar[dict[str, dict[str, str]]] = {"transport": {"nccl": "distributed"}}
+    """Old spellings of a field's values, with the value to write now (read by the loader)."""
+
+
+@cfg
 class RolloutConfig:
     """Inference engines and how the trainer talks to them."""
 
@@ -367,25 +390,25 @@ class RolloutConfig:
     """Timeout for one /generate request."""
     startup_timeout_s: float = 120.0
     """How long the trainer waits for external engines (rollout.engine=sglang) to answer /health."""
-    weight_sync: Literal["disk", "distributed", "nccl"] = "disk"
-    """disk: safetensors + update_weights_from_disk; distributed (alias nccl): SGLang update groups."""
-    weight_sync_bucket_mb: int = 512
-    """Bucket size for streaming weights to the engines."""
-    weight_sync_timeout_s: float = 300.0
-    """Bound on every weight-sync call and group operation: a dead engine fails the sync, never hangs it."""
-    weight_sync_verify: bool = True
-    """Compare the engines' /weights_checker checksums with the export after the first sync of each layout."""
-    overlap_weight_push: bool = True
-    """Push each step's weights in the background while the next step trains (docs/weight-publishing.md#overlap)."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How each step's weights reach the engines (the weights wing, sao_megatron/weights)."""
     routing_replay: bool = False
     """R3: engines return each token's routed experts and the actor's forward replays them (docs/routing-replay.md)."""
     engine_restart_budget: int = 3
     """Restarts allowed per engine per run (dead or hung, by the process that launched it); 0 never restarts."""
     no_engine_timeout_s: float = 600.0
     """With no healthy engine for this long the run checkpoints and stops with NoEngineError."""
-    engine_weight_format: Literal["unquantized", "fp8_block"] = "unquantized"
-    """What the weight sync sends: the trainer's weights as they are (bf16 on GPUs), or, for SGLang engines
-    serving a block-FP8 checkpoint (DeepSeek-V3, GLM-5-FP8), float8 weights + 128x128 ``weight_scale_inv``."""
+
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "weight_sync": "rollout.weight_sync is a section now: write rollout.weight_sync.transport: distributed (or "
+                       "disk); on the command line --set rollout.weight_sync.transport=distributed",
+        "weight_sync_bucket_mb": "write rollout.weight_sync.bucket_mb",
+        "weight_sync_timeout_s": "write rollout.weight_sync.timeout_s",
+        "weight_sync_verify": "write rollout.weight_sync.verify",
+        "overlap_weight_push": "write rollout.weight_sync.overlap",
+        "engine_weight_format": "write rollout.weight_sync.format",
+    }
+    """Weight-push keys of the flat rollout section before they became rollout.weight_sync (read by the loader)."""
 
 
 @cfg

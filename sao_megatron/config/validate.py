@@ -16,24 +16,22 @@ from sao_megatron.config.schema import AlgorithmConfig, ExperimentConfig, ModelC
 
 def validate(cfg: ExperimentConfig, *, world_size: int | None = None, source: str = "config") -> None:
     """Raise ConfigError naming the key and the fix for the first violated constraint."""
-    if cfg.rollout.weight_sync == "nccl":  # the older name of the same transport (GPU layouts use it)
-        cfg.rollout.weight_sync = "distributed"
     errors = (check_model(cfg.model) + check_parallel(cfg.model, cfg.parallel, world_size)
-              + check_training(cfg) + check_resources(cfg.resources) + check_engine_weight_format(cfg))
+              + check_training(cfg) + check_resources(cfg.resources) + check_weight_sync_format(cfg))
     if errors:
         raise ConfigError(f"{source}: " + "\n  ".join(errors))
 
 
-def check_engine_weight_format(cfg: ExperimentConfig) -> list[str]:
+def check_weight_sync_format(cfg: ExperimentConfig) -> list[str]:
     """fp8_block is for SGLang engines serving a block-FP8 checkpoint of an MLA model."""
-    if cfg.rollout.engine_weight_format != "fp8_block":
+    if cfg.rollout.weight_sync.format != "fp8_block":
         return []
     if cfg.rollout.engine == "embedded":
-        return ["rollout.engine_weight_format=fp8_block needs rollout.engine=sglang (the embedded engine serves "
-                "unquantized weights): use rollout.engine_weight_format=unquantized"]
+        return ["rollout.weight_sync.format=fp8_block needs rollout.engine=sglang (the embedded engine serves "
+                "unquantized weights): use rollout.weight_sync.format=unquantized"]
     if not cfg.model.multi_latent_attention:
-        return [f"rollout.engine_weight_format=fp8_block is the block-FP8 scheme of DeepSeek-V3 / GLM-5 checkpoints; "
-                f"model.family={cfg.model.family} has none: use rollout.engine_weight_format=unquantized"]
+        return [f"rollout.weight_sync.format=fp8_block is the block-FP8 scheme of DeepSeek-V3 / GLM-5 checkpoints; "
+                f"model.family={cfg.model.family} has none: use rollout.weight_sync.format=unquantized"]
     return []
 
 

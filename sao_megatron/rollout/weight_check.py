@@ -291,5 +291,5 @@ def compare_checksums(expected: Mapping[str, str], engine: Mapping[str, str], *,
         raise WeightMismatchError(
             f"{where}: weights differ from the trainer's export: {len(differ)} tensors differ "
             f"(e.g. {differ[:3]}), {len(missing)} missing on the engine (e.g. {missing[:3]}). The sync "
-            f"corrupted or dropped them: stop and check the transport (rollout.weight_sync) and the exporter")
+            f"corrupted or dropped them: stop and check the transport (rollout.weight_sync.transport) and the exporter")
     return sum(n in engine for n in expected)

@@ -200,7 +200,7 @@ def iter_owned_hf_tensors(plan: ExportPlan) -> Iterator[tuple[str, torch.Tensor]
 
     TP / expert-TP shards are gathered inside their own group (collective there only);
     nothing crosses to rank 0, so each owner (PP stage, EP rank with global expert ids)
-    can send its own tensors (``rollout.weight_sync``). Every rank must iterate to the end.
+    can send its own tensors (``rollout.weight_sync.transport``). Every rank must iterate to the end.
     Tensors may be views of live parameters: send or copy them before the next step.
     """
     for bucket in plan.buckets:

@@ -1,4 +1,4 @@
-"""Block-FP8 weights for engines that serve FP8 (DeepSeek-V3, GLM-5-FP8): ``rollout.engine_weight_format: fp8_block``.
+"""Block-FP8 weights for engines that serve FP8 (DeepSeek-V3, GLM-5-FP8): ``rollout.weight_sync.format: fp8_block``.
 
 What to quantize and how comes from the engine's own ``quantization_config`` (the ``config.json``
 it serves, :meth:`Fp8Scheme.from_hf_config`), read the way SGLang 0.5.23's ``Fp8Config.from_config``
@@ -55,13 +55,13 @@ class Fp8Scheme:
         method, fmt = str(qc.get("quant_method", "")), qc.get("fmt", "e4m3")
         block = qc.get("weight_block_size")
         if method != "fp8" or fmt != "e4m3" or qc.get("activation_scheme", "dynamic") != "dynamic":
-            raise ValueError(f"{source}: rollout.engine_weight_format=fp8_block sends block-FP8 e4m3 weights with "
+            raise ValueError(f"{source}: rollout.weight_sync.format=fp8_block sends block-FP8 e4m3 weights with "
                              f"dynamic activation scales; this engine serves quant_method={method!r}, fmt={fmt!r}, "
                              f"activation_scheme={qc.get('activation_scheme')!r}: serve a block-FP8 checkpoint or "
-                             f"use rollout.engine_weight_format=unquantized")
+                             f"use rollout.weight_sync.format=unquantized")
         if not isinstance(block, (list, tuple)) or len(block) != 2:
             raise ValueError(f"{source}: weight_block_size={block!r} is not [rows, cols]; per-tensor FP8 is not "
-                             f"supported: use rollout.engine_weight_format=unquantized")
+                             f"supported: use rollout.weight_sync.format=unquantized")
         if qc.get("scale_fmt") not in (None, "ue8m0"):
             raise ValueError(f"{source}: scale_fmt={qc['scale_fmt']!r} is not supported (none or 'ue8m0')")
         skipped = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()
@@ -73,7 +73,7 @@ class Fp8Scheme:
         qc = hf_config.get("quantization_config")
         if not qc:
             raise ValueError(f"{source} has no quantization_config: the engine serves unquantized weights; use "
-                             f"rollout.engine_weight_format=unquantized")
+                             f"rollout.weight_sync.format=unquantized")
         return cls.from_quantization_config(qc, f"{source} quantization_config")
 
     @classmethod
@@ -163,11 +163,11 @@ def engine_scheme(model_info: Mapping[str, Any]) -> Fp8Scheme:
     """The scheme of the checkpoint an engine serves, from its ``/model_info`` reply (``model_path``).
 
     The trainer reads ``<model_path>/config.json``: the engines' model directory must be visible
-    to rank 0 at the same path (a shared file system, as for ``rollout.weight_sync=disk``).
+    to rank 0 at the same path (a shared file system, as for ``rollout.weight_sync.transport=disk``).
     """
     path = model_info.get("model_path") or ""
     if not path or not (pathlib.Path(path) / "config.json").is_file():
-        raise ValueError(f"rollout.engine_weight_format=fp8_block reads the engine's quantization_config from "
+        raise ValueError(f"rollout.weight_sync.format=fp8_block reads the engine's quantization_config from "
                          f"<model_path>/config.json, and the engine's model_path {path!r} has none on this host: "
                          f"serve the model from a directory the trainer's rank 0 can read at the same path")
     return Fp8Scheme.from_model_dir(path)

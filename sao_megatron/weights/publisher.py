@@ -4,7 +4,7 @@ Every trainer rank holds a :class:`WeightPublisher`; the trainer calls :meth:`We
 once per policy update. A push reads top to bottom:
 
 1. ``job = transport.stage(export, version)`` (main thread, collective): the export's gathers and the
-   transport's staging (``rollout.weight_sync=disk``: gathered to rank 0 and written while the engines
+   transport's staging (``rollout.weight_sync.transport=disk``: gathered to rank 0 and written while the engines
    keep generating; ``distributed``: each owner's share, snapshotted into host buffers when overlapped).
    The transport is picked once, at :meth:`start` (``weights.transports``); the publisher never looks
    inside it.
@@ -27,7 +27,7 @@ Concurrency map (rank 0; other ranks have no bridge and deliver on the push work
 
 - main thread: ``publish`` → ``wait`` (joins the previous push, all-gathers its outcome) → ``_stage``
   (collectives over the training groups) → submits ``_deliver`` to the push worker (overlap) or runs it.
-- push worker (``weight-push``, one thread, ``rollout.overlap_weight_push``): ``_deliver`` →
+- push worker (``weight-push``, one thread, ``rollout.weight_sync.overlap``): ``_deliver`` →
   ``bridge.run(_deliver_paused)`` blocks on rank 0's asyncio bridge thread; its own process group for
   the transport's object collectives (a group is never used by two threads at once).
 - bridge thread (``rollout-loop``): the scheduler pauses, ``_load`` takes ``served.lock`` and awaits
@@ -38,7 +38,7 @@ Concurrency map (rank 0; other ranks have no bridge and deliver on the push work
 Who waits: the main thread for the push worker only in ``wait`` (next publish, checkpoint, the end) and
 ``wait_local`` (evaluation); the push worker for the bridge; admissions for the push (the lock).
 
-With ``rollout.overlap_weight_push`` (docs/weight-publishing.md#overlap) two versions exist:
+With ``rollout.weight_sync.overlap`` (docs/weight-publishing.md#overlap) two versions exist:
 :attr:`WeightPublisher.version` (the actor's: updates applied and exported) and ``served.version`` (the
 engines', which lags while a push is in flight). At most one push is in flight: :meth:`WeightPublisher.wait`
 (collective) joins it and raises its error on every rank, naming its version and step.
@@ -59,10 +59,10 @@ import torch
 import torch.distributed as dist
 
 from sao_megatron.config import ExperimentConfig
-from sao_megatron.config.schema import RolloutConfig
+from sao_megatron.config.schema import RolloutConfig, WeightSyncConfig
 from sao_megatron.errors import SaoError
 from sao_megatron.models.families.hf_config import dtype_name
-from sao_megatron.parallel.collectives import broadcast_object, first_error, rank0_call
+from sao_megatron.parallel.collectives import broadcast_object, rank0_call
 from sao_megatron.rollout.types import EngineUnavailable
 from sao_megatron.weights.disk import DiskWeightSync
 from sao_megatron.weights.export import ExportPlan, drain, export_weights, iter_owned_hf_tensors, owns_tensors
@@ -95,15 +95,15 @@ class WeightPublisher:
         self.cfg, self.exporter, self.run_dir, self.rank0 = cfg, exporter, pathlib.Path(run_dir), rank0
         self.served = CurrentWeights(None, 0)
         self.rollout = None  # rank 0's RolloutSide
-        self.disk = None  # rank 0: the engines' start directory, restarts and rollout.weight_sync=disk
+        self.disk = None  # rank 0: the engines' start directory, restarts and rollout.weight_sync.transport=disk
         self.transport = None  # the sync publish() pushes with (the disk one, or distributed on every rank)
         self.reconnects = PendingReconnects()
         self._reconnecting: list = []
-        self.every_rank = cfg.rollout.weight_sync != "disk"
+        self.every_rank = cfg.rollout.weight_sync.transport != "disk"
         """Every rank sends its own share (distributed); else rank 0 pushes an export gathered to it (disk)."""
         self.version = 0
         """The actor's version: policy updates applied and exported (``served.version`` once no push is in flight)."""
-        self.overlap = cfg.rollout.overlap_weight_push
+        self.overlap = cfg.rollout.weight_sync.overlap
         # η = 0: no sample generated before a push finished can be trained by the updated actor, so the next
         # batch waits for the push (the trainer asks); η ≥ 1 trains on the previous version's samples meanwhile.
         self.overlaps_batch = self.overlap and cfg.scheduler.max_staleness >= 1
@@ -143,12 +143,13 @@ class WeightPublisher:
 
     def _start_rank0(self, build_rollout, gen, scheduler_state) -> None:
         r: RolloutConfig = self.cfg.rollout
+        ws: WeightSyncConfig = r.weight_sync
         self.rollout = build_rollout()
         self.disk = DiskWeightSync(client=None, sync_root=self.rollout.weights_root,
                                    template_dir=self.rollout.template_dir, collective=False,
-                                   verify=r.weight_sync_verify, api_key=r.api_key, timeout_s=r.weight_sync_timeout_s,
+                                   verify=ws.verify, api_key=r.api_key, timeout_s=ws.timeout_s,
                                    strict_names=r.engine == "embedded", checkpoint_dtype=self._dtype(),
-                                   quantized=r.engine_weight_format == "fp8_block")
+                                   quantized=ws.format == "fp8_block")
         model_dir, _ = self.disk.write(gen, self.version)
         self.served.set(model_dir, self.version)
         client = self.rollout.start_engines(model_dir, self.version, served=self.served)
@@ -159,7 +160,7 @@ class WeightPublisher:
             self.rollout.bridge.run(client.update_weights_from_disk(str(model_dir), weight_version=self.version))
         if not self.every_rank:
             self.disk.connect(client.engine_urls, is_sender=True)
-            self.transport = Fp8BlockSync(self.disk) if r.engine_weight_format == "fp8_block" else self.disk
+            self.transport = Fp8BlockSync(self.disk) if ws.format == "fp8_block" else self.disk
         readmit = (self.reconnects.readmit if self.every_rank
                    else disk_readmit(client, self.served, on_admit=self.disk.reconnect))
         self.rollout.start_generation(self.served, readmit=readmit, scheduler_state=scheduler_state)
@@ -171,7 +172,7 @@ class WeightPublisher:
     def publish(self, step: int | None = None) -> dict[str, float]:
         """Collective: export, push and commit version + 1 on every engine (``step``: the step that made it).
 
-        Synchronous, or with ``rollout.overlap_weight_push`` started in the background after waiting for the
+        Synchronous, or with ``rollout.weight_sync.overlap`` started in the background after waiting for the
         previous push (whose error raises here). Returns rank 0's ``timing/weight_sync_s`` (the time this
         call blocked) and ``timing/weight_push_wait_s`` (of it, waiting for the previous push), and when
         synchronous the push's own metrics. An overlapped push's metrics come from :meth:`take_finished`
@@ -277,7 +278,9 @@ class WeightPublisher:
             out = push.future.result()
         except Exception as exc:  # shared below, then raised on every rank
             error = exc
-        first = first_error(error)
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        first = next((e for e in errors if e), None)
         if first is not None:
             step = f"published after step {push.step}" if push.step is not None else "published"
             raise WeightPushError(f"the background weight push of version {push.version} ({step}) failed: "

@@ -67,7 +67,7 @@ async def served_version(client, url: str) -> str | None:
 
 
 def disk_readmit(client, weights: CurrentWeights, on_admit: Callable[[str, str], None] = lambda old, new: None):
-    """Readmission for rollout.weight_sync=disk: load the current directory unless already served.
+    """Readmission for rollout.weight_sync.transport=disk: load the current directory unless already served.
     ``on_admit(old, new)`` after the admission (e.g. ``DiskWeightSync.reconnect``: verify the next push)."""
     async def readmit(old: str, new: str, admit: Admit) -> None:
         async with weights.lock:
@@ -79,7 +79,7 @@ def disk_readmit(client, weights: CurrentWeights, on_admit: Callable[[str, str],
 
 
 class PendingReconnects:
-    """Readmission for rollout.weight_sync=distributed: queued until the trainer's next push."""
+    """Readmission for rollout.weight_sync.transport=distributed: queued until the trainer's next push."""
 
     def __init__(self):
         self._pending: list[tuple[str, str, Admit]] = []

@@ -66,7 +66,7 @@ def _pack(parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """``parts`` (uint8, 1-D) back to back in ``out`` (uint8, [sum of their sizes]), wherever they live.
 
     ``torch.cat(out=)`` refuses parts on another device than ``out`` (CUDA weights over gloo with
-    ``overlap_weight_push=false``): those are copied one by one into their slices, each straight
+    ``rollout.weight_sync.overlap=false``): those are copied one by one into their slices, each straight
     from the device into the buffer, so no part is staged twice.
     """
     if all(p.device == out.device for p in parts):

@@ -1,4 +1,4 @@
-"""Which transport carries a push (``rollout.weight_sync``), and the FP8 block wrapper.
+"""Which transport carries a push (``rollout.weight_sync.transport``), and the FP8 block wrapper.
 
 ``build_weight_sync(rollout_cfg, ...)`` is the one place that picks the transport:
 - ``disk`` (``weights.disk.DiskWeightSync``): safetensors on a shared file system, loaded by every
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import httpx
 import torch
 
-from sao_megatron.config.schema import RolloutConfig
+from sao_megatron.config.schema import RolloutConfig, WeightSyncConfig
 from sao_megatron.weights.disk import DiskWeightSync
 from sao_megatron.weights.distributed import DistributedWeightSync
 from sao_megatron.weights.fp8_block import engine_scheme, requantize
@@ -49,7 +49,7 @@ class WeightSync(Protocol):
 
 def build_weight_sync(rollout_cfg, *, client, run_dir: str | Path, template_dir: str | Path | None,
                       collective: bool = True, world_group=None, checkpoint_dtype: str | None = None) -> WeightSync:
-    """The transport ``rollout_cfg.weight_sync`` names (``nccl`` is an alias of ``distributed``).
+    """The transport ``rollout_cfg.weight_sync.transport`` names, wrapped for ``weight_sync.format: fp8_block``.
 
     ``client``: rank 0's RolloutClient (None on the other ranks). ``collective``: every trainer
     rank calls the sync (required by ``distributed``); False runs a disk sync on rank 0 alone.
@@ -57,7 +57,7 @@ def build_weight_sync(rollout_cfg, *, client, run_dir: str | Path, template_dir:
     """
     sync = _build_transport(rollout_cfg, client=client, run_dir=run_dir, template_dir=template_dir,
                             collective=collective, world_group=world_group, checkpoint_dtype=checkpoint_dtype)
-    return Fp8BlockSync(sync) if rollout_cfg.engine_weight_format == "fp8_block" else sync
+    return Fp8BlockSync(sync) if rollout_cfg.weight_sync.format == "fp8_block" else sync
 
 
 class Fp8BlockSync:
@@ -105,23 +105,22 @@ class Fp8BlockSync:
 
 def _build_transport(rollout_cfg: RolloutConfig, *, client, run_dir, template_dir, collective, world_group,
                      checkpoint_dtype) -> WeightSync:
-    kind = "distributed" if rollout_cfg.weight_sync == "nccl" else rollout_cfg.weight_sync
+    ws: WeightSyncConfig = rollout_cfg.weight_sync
     strict = rollout_cfg.engine == "embedded"  # it names every tensor as weight_check.held_name does
-    held = dict(strict_names=strict, checkpoint_dtype=checkpoint_dtype,
-                quantized=rollout_cfg.engine_weight_format == "fp8_block")
-    if kind == "disk":
+    held = dict(strict_names=strict, checkpoint_dtype=checkpoint_dtype, quantized=ws.format == "fp8_block")
+    if ws.transport == "disk":
         return DiskWeightSync(client=client, sync_root=Path(run_dir) / "weights", template_dir=template_dir,
-                              collective=collective, world_group=world_group, verify=rollout_cfg.weight_sync_verify,
-                              api_key=rollout_cfg.api_key, timeout_s=rollout_cfg.weight_sync_timeout_s, **held)
-    if kind == "distributed":
+                              collective=collective, world_group=world_group, verify=ws.verify,
+                              api_key=rollout_cfg.api_key, timeout_s=ws.timeout_s, **held)
+    if ws.transport == "distributed":
         if not collective:
-            raise ValueError("rollout.weight_sync=distributed is called on every trainer rank (each owner sends "
-                             "its own tensors): build it with collective=True")
+            raise ValueError("rollout.weight_sync.transport=distributed is called on every trainer rank (each owner "
+                             "sends its own tensors): build it with collective=True")
         # CPU trainers (the embedded engine, or embedded servers behind rollout.engine=sglang on CPU
         # Slurm nodes) send over gloo; NCCL needs CUDA tensors on both ends.
         gpu = rollout_cfg.engine != "embedded" and torch.cuda.is_available()
         return DistributedWeightSync(
             backend="nccl" if gpu else "gloo",
-            bucket_bytes=rollout_cfg.weight_sync_bucket_mb << 20, timeout_s=rollout_cfg.weight_sync_timeout_s,
-            api_key=rollout_cfg.api_key, verify=rollout_cfg.weight_sync_verify, world_group=world_group, **held)
-    raise ValueError(f"rollout.weight_sync must be disk or distributed (nccl is an alias), got {kind!r}")
+            bucket_bytes=ws.bucket_mb << 20, timeout_s=ws.timeout_s,
+            api_key=rollout_cfg.api_key, verify=ws.verify, world_group=world_group, **held)
+    raise ValueError(f"rollout.weight_sync.transport must be disk or distributed, got {ws.transport!r}")

@@ -1,4 +1,4 @@
-"""``rollout.weight_sync=distributed`` against real embedded engines: SGLang's update-group protocol over
+"""``rollout.weight_sync.transport=distributed`` against real embedded engines: SGLang's update-group protocol over
 gloo, checksums from /weights_checker, session rules, and an engine killed during a sync.
 
 The sender is one process without a trainer world (one owner of every tensor); the multi-rank

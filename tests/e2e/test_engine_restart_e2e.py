@@ -84,13 +84,14 @@ def test_sigkilled_engine_is_restarted_and_the_run_completes(tmp_path):
 
 
 def test_sigkilled_engine_rejoins_the_distributed_weight_sync(tmp_path):
-    """rollout.weight_sync=distributed: the restarted engine gets new update groups from the trainer
+    """rollout.weight_sync.transport=distributed: the restarted engine gets new update groups from the trainer
     (every rank) before the next push, and is routed to only after that push reached it."""
     run_dir = tmp_path / "sigkill_distributed"
     # With the push overlapped, a step on one engine took 0.1-0.4 s (load ~30): 80 steps ended 30 s after
     # the kill, before the supervisor had begun the restart. More steps, so the run outlasts it.
     steps = 3 * STEPS
-    result, victim = run_with_engine_fault(run_dir, signal.SIGKILL, "rollout.weight_sync=distributed", steps=steps)
+    result, victim = run_with_engine_fault(run_dir, signal.SIGKILL, "rollout.weight_sync.transport=distributed",
+                                           steps=steps)
     check_recovered(run_dir, result, victim, steps=steps)
     metrics = metrics_by_step(run_dir)
     # Every step's row carries its own push (overlapped: the row waits for it), the last one's too.

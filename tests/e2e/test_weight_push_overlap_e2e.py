@@ -1,4 +1,4 @@
-"""rollout.overlap_weight_push in the real trainer (Megatron on gloo, embedded engines over HTTP): a run
+"""rollout.weight_sync.overlap in the real trainer (Megatron on gloo, embedded engines over HTTP): a run
 ends with the engines serving its final version (asked from the engines), and the audit's staleness,
 counted from the step index (the actor's version when every update applies), stays within the limit."""
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a whole run each, 40-90 s on
 def test_a_run_ends_with_the_engines_serving_its_final_version(tmp_path, overlap, sync, eta):
     out = tmp_path / "final.json"
     sets = [*SMALL, "run.num_steps=5", "checkpoint.save_interval=0", f"scheduler.max_staleness={eta}",
-            f"rollout.overlap_weight_push={str(overlap).lower()}", f"rollout.weight_sync={sync}"]
+            f"rollout.weight_sync.overlap={str(overlap).lower()}", f"rollout.weight_sync.transport={sync}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--standalone", str(SCRIPT),
            str(CONFIG), str(out), *[a for s in sets for a in ("--set", s)]]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,

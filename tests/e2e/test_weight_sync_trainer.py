@@ -1,4 +1,4 @@
-"""rollout.weight_sync=distributed from the real trainer (Megatron on gloo, torchrun) into two embedded
+"""rollout.weight_sync.transport=distributed from the real trainer (Megatron on gloo, torchrun) into two embedded
 engines: every owner sends its own slice, the engines' checksums match the export, their log-probs
 equal the actor's (the parity gate) and their version advances."""
 
@@ -55,7 +55,7 @@ def test_engines_reached_by_url_keep_serving_across_pushes(tmp_path, sync):
     either transport advances the version the client expects, so the health probe an episode retry
     makes keeps the engines that took it (before the publisher, a distributed push left the client
     expecting version 0 and health() took every engine out)."""
-    r = sync_run(tmp_path, 1, f"rollout.weight_sync={sync}", external=True)
+    r = sync_run(tmp_path, 1, f"rollout.weight_sync.transport={sync}", external=True)
     assert r["version"] == r["client_version"] == 2 and r["engine_versions"] == ["2", "2"], r
     assert r["healthy_after"] == 2, r
     assert r["first"]["weight_sync/verified"] == 1, r["first"]
@@ -92,7 +92,7 @@ def test_tp2_ep2_trainer_four_ranks(tmp_path):
 @pytest.mark.slow
 def test_main_job_with_distributed_sync(tmp_path):
     run_dir = tmp_path / "run"
-    run_train(run_dir, "rollout.weight_sync=distributed")
+    run_train(run_dir, "rollout.weight_sync.transport=distributed")
     metrics = metrics_by_step(run_dir)
     assert [m["version"] for m in metrics] == [1, 2, 3, 4]
     assert all(m["rollout/staleness_max"] <= 1 for m in metrics)

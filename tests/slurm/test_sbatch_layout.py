@@ -2,7 +2,7 @@
 (torchrun, 2 ranks each: TP2 inside a node x DP2 across nodes, gloo between them) + 1 rollout node
 (embedded engine + sglang-router).
 
-The plain run syncs weights with ``rollout.weight_sync=distributed`` and EP2 (the experts' second
+The plain run syncs weights with ``rollout.weight_sync.transport=distributed`` and EP2 (the experts' second
 EP rank lives on trainer node 1), so both trainer nodes host update groups that the engine on the
 rollout node joins across hosts; the requeue run keeps the default disk sync."""
 
@@ -32,7 +32,8 @@ def plain_run(tmp_path_factory, slurm_cluster):
     every node while it runs: (run dir, job id, info, monitor)."""
     root = tmp_path_factory.mktemp("plain")
     run_dir = root / "run"
-    config = write_multihost_config(root / "tiny.yaml", parallel=PLAIN_PARALLEL, rollout={"weight_sync": "distributed"})
+    config = write_multihost_config(root / "tiny.yaml", parallel=PLAIN_PARALLEL,
+                                    rollout={"weight_sync": {"transport": "distributed"}})
     job_id = submit_multihost(run_dir, config)
     try:
         with SocketMonitor([job_id]) as monitor:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import pathlib
 import re
@@ -91,10 +92,12 @@ def test_there_are_configs_to_check():
 
 @pytest.mark.parametrize("path", config_yamls(), ids=lambda p: p.relative_to(ROOT / "configs").as_posix())
 def test_every_yaml_in_configs_loads_and_validates(path):
-    from sao_megatron.config import ExperimentConfig, load_config
+    from sao_megatron.config import ExperimentConfig, load_config, validate
 
-    cfg = load_config(path)  # strict types + cross-field validation
-    assert isinstance(cfg, ExperimentConfig)
+    cfg = load_config(path, check=False)  # strict types
+    loaded = copy.deepcopy(cfg)
+    validate(cfg)  # cross-field validation refuses; it never rewrites what was loaded
+    assert isinstance(cfg, ExperimentConfig) and cfg == loaded
 
 
 # ---------------------------------------------------------------- 2. algorithms/ is pure maths
@@ -350,7 +353,7 @@ def test_room_check_catches_the_step_core_importing_the_run(monkeypatch):
 
 # A field counts as read only where code loads it as an attribute of its own config object: in a file
 # that names the config class (its annotations/imports: where a variable of that type lives), or
-# through the root config's field holding it (``cfg.rollout.weight_sync_bucket_mb``). Fields copied
+# through the root config's field holding it (``cfg.rollout.weight_sync.bucket_mb``). Fields copied
 # to Megatron by name count when a file naming the class iterates a module-level ``*_FIELDS`` table
 # listing them (``getattr(model, name) for name in _MLA_FIELDS``). A string or a keyword elsewhere is
 # not a read.
@@ -429,26 +432,26 @@ def test_every_config_field_is_read_by_the_library():
 
 def test_unread_field_detector_catches_a_field_nothing_reads():
     reads = library_reads()
-    assert "num_layers" in reads["ModelConfig"] and "weight_sync_bucket_mb" in reads["RolloutConfig"]
-    reads["RolloutConfig"].discard("weight_sync_bucket_mb")
-    assert unread_fields(reads) == ["RolloutConfig.weight_sync_bucket_mb"]
+    assert "num_layers" in reads["ModelConfig"] and "bucket_mb" in reads["WeightSyncConfig"]
+    reads["WeightSyncConfig"].discard("bucket_mb")
+    assert unread_fields(reads) == ["WeightSyncConfig.bucket_mb"]
 
 
 @pytest.mark.parametrize("source,read", [
-    ("def f(r: RolloutConfig):\n    return r.weight_sync_bucket_mb\n", True),
-    ("def f(cfg):\n    return cfg.rollout.weight_sync_bucket_mb\n", True),
-    ("X = 'weight_sync_bucket_mb'\n", False),  # a string is not a read
-    ("def f(cfg):\n    return cfg.other.weight_sync_bucket_mb\n", False),  # not the rollout config
-    ("def f(r: RolloutConfig):\n    r.weight_sync_bucket_mb = 3\n", False),  # a write
-    ("def f(r: RolloutConfig):\n    return g(weight_sync_bucket_mb=1)\n", False),  # a keyword
-    ("_T_FIELDS = ('weight_sync_bucket_mb',)\ndef f(r: RolloutConfig):\n"
-     "    return {n: getattr(r, n) for n in _T_FIELDS}\n", True),  # a name table fed to getattr
-    ("_T_FIELDS = ('weight_sync_bucket_mb',)\n", False),  # a table nothing iterates
+    ("def f(w: WeightSyncConfig):\n    return w.bucket_mb\n", True),
+    ("def f(cfg):\n    return cfg.rollout.weight_sync.bucket_mb\n", True),  # through the field holding it
+    ("X = 'bucket_mb'\n", False),  # a string is not a read
+    ("def f(cfg):\n    return cfg.other.bucket_mb\n", False),  # not the weight-sync config
+    ("def f(w: WeightSyncConfig):\n    w.bucket_mb = 3\n", False),  # a write
+    ("def f(w: WeightSyncConfig):\n    return g(bucket_mb=1)\n", False),  # a keyword
+    ("_T_FIELDS = ('bucket_mb',)\ndef f(w: WeightSyncConfig):\n"
+     "    return {n: getattr(w, n) for n in _T_FIELDS}\n", True),  # a name table fed to getattr
+    ("_T_FIELDS = ('bucket_mb',)\n", False),  # a table nothing iterates
 ])
 def test_a_read_is_an_attribute_load_on_the_right_config(source, read):
     classes = schema_classes()
-    found = reads_in(source, classes, holder_fields(classes))["RolloutConfig"]
-    assert ("weight_sync_bucket_mb" in found) == read
+    found = reads_in(source, classes, holder_fields(classes))["WeightSyncConfig"]
+    assert ("bucket_mb" in found) == read
 
 
 # ---------------------------------------------------------------- 8. no import circle

@@ -279,6 +279,57 @@ def test_overrides_do_not_mutate_the_input_tree():
     assert tree == {"model": {"num_layers": 2}} and out == {"model": {"num_layers": 5}}
 
 
+# ---------------------------------------------------------------- the rollout section's old weight-push keys
+
+OLD_WEIGHT_SYNC_KEYS = [  # (old key, a value, the key the error must name)
+    ("weight_sync_bucket_mb", "1024", "rollout.weight_sync.bucket_mb"),
+    ("weight_sync_timeout_s", "60", "rollout.weight_sync.timeout_s"),
+    ("weight_sync_verify", "false", "rollout.weight_sync.verify"),
+    ("overlap_weight_push", "false", "rollout.weight_sync.overlap"),
+    ("engine_weight_format", "fp8_block", "rollout.weight_sync.format"),
+]
+
+
+@pytest.mark.parametrize("old, value, new", OLD_WEIGHT_SYNC_KEYS)
+def test_an_old_weight_push_key_names_its_new_place(tmp_path, old, value, new):
+    f = write(tmp_path / "e.yaml", f"rollout:\n  {old}: {value}\n")
+    msg = error_of(f)
+    assert msg == f"{f}: 'rollout.{old}' is an old key: write {new}", msg
+    msg = error_of(write(tmp_path / "empty.yaml", ""), [f"rollout.{old}={value}"])
+    assert f"--set rollout.{old}={value}: 'rollout.{old}' is an old key: write {new}" in msg, msg
+
+
+SCALAR_WEIGHT_SYNC = ("'rollout.weight_sync' is an old key: rollout.weight_sync is a section now: write "
+                      "rollout.weight_sync.transport: distributed (or disk); on the command line "
+                      "--set rollout.weight_sync.transport=distributed")
+
+
+@pytest.mark.parametrize("value", ["distributed", "disk", "nccl"])
+def test_the_old_scalar_weight_sync_names_the_transport_key(tmp_path, value):
+    """``--set rollout.weight_sync=distributed`` is in READMEs, docs and issue texts: its error is exact."""
+    f = write(tmp_path / "e.yaml", f"rollout: {{weight_sync: {value}}}\n")
+    assert error_of(f) == f"{f}: {SCALAR_WEIGHT_SYNC}"
+    base = write(tmp_path / "empty.yaml", "")
+    assert error_of(base, [f"rollout.weight_sync={value}"]) == (
+        f"{base} --set rollout.weight_sync={value}: {SCALAR_WEIGHT_SYNC}")
+
+
+def test_nccl_is_refused_with_its_new_name(tmp_path):
+    """The alias is met once, by the loader, which refuses it (validation never rewrites a config)."""
+    f = write(tmp_path / "e.yaml", "")
+    assert error_of(f, ["rollout.weight_sync.transport=nccl"]) == (
+        f"{f} --set rollout.weight_sync.transport=nccl: 'rollout.weight_sync.transport': 'nccl' is the old name "
+        f"of 'distributed': write rollout.weight_sync.transport: distributed "
+        f"(--set rollout.weight_sync.transport=distributed)")
+
+
+def test_the_weight_sync_section_loads_partially_and_from_set(tmp_path):
+    f = write(tmp_path / "e.yaml", "rollout: {weight_sync: {transport: distributed, bucket_mb: 1024}}\n")
+    ws = load_config(f, ["rollout.weight_sync.overlap=false"]).rollout.weight_sync
+    assert (ws.transport, ws.bucket_mb, ws.overlap) == ("distributed", 1024, False)
+    assert (ws.timeout_s, ws.verify, ws.format) == (300.0, True, "unquantized")  # the section's defaults
+
+
 # ---------------------------------------------------------------- resolved config round trip
 
 
@@ -290,9 +341,9 @@ def test_resolved_round_trip_equals(tmp_path):
           options: {style: '1e-5', n: 3, flag: true, name: 'yes'}
           phases: [{start_version: 0, target: terse}, {start_version: 10, target: verbose}]
         critic: {optimizer: {weight_decay: 0.01}, init_from: /ckpt}
-        rollout: {engine_urls: ['http://127.0.0.1:3000']}
+        rollout: {engine_urls: ['http://127.0.0.1:3000'], weight_sync: {transport: distributed, verify: false}}
     """)
-    cfg = load_config(f, ["actor.optimizer.lr=1e-7"])
+    cfg = load_config(f, ["actor.optimizer.lr=1e-7", "rollout.weight_sync.bucket_mb=64"])
     out = write_resolved(cfg, tmp_path / "run" / "nested")
     assert out == tmp_path / "run" / "nested" / "config.yaml"
     again = load_config(out)
@@ -301,6 +352,8 @@ def test_resolved_round_trip_equals(tmp_path):
     tree = yaml.safe_load(out.read_text())
     assert tree == to_dict(cfg) and "_base_" not in out.read_text()
     assert set(tree) == {f.name for f in dataclasses.fields(ExperimentConfig)}
+    assert tree["rollout"]["weight_sync"] == {"transport": "distributed", "bucket_mb": 64, "timeout_s": 300.0,
+                                              "verify": False, "overlap": True, "format": "unquantized"}
 
 
 def test_from_dict_of_to_dict_is_identity_for_defaults():

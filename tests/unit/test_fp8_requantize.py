@@ -103,10 +103,10 @@ def test_fp8_block_needs_an_sglang_engine_and_an_mla_model():
     from sao_megatron.config import load_config
     from sao_megatron.config.loader import ConfigError
 
-    with pytest.raises(ConfigError, match="engine_weight_format=fp8_block needs rollout.engine=sglang"):
-        load_config("configs/experiments/tiny_glm5_cpu.yaml", ["rollout.engine_weight_format=fp8_block"])
+    with pytest.raises(ConfigError, match="weight_sync.format=fp8_block needs rollout.engine=sglang"):
+        load_config("configs/experiments/tiny_glm5_cpu.yaml", ["rollout.weight_sync.format=fp8_block"])
     with pytest.raises(ConfigError, match="family=qwen3_moe has none"):
-        load_config("configs/experiments/tiny_cpu.yaml", ["rollout.engine_weight_format=fp8_block",
+        load_config("configs/experiments/tiny_cpu.yaml", ["rollout.weight_sync.format=fp8_block",
                                                           "rollout.engine=sglang",
                                                           "rollout.engine_urls=[http://127.0.0.1:1]"])
 
@@ -143,7 +143,7 @@ def test_weight_sync_sends_fp8_blocks_as_the_engines_config_says(tmp_path):
 
     cfg = load_config("configs/experiments/tiny_glm5_cpu.yaml", ["rollout.engine=sglang",
                                                                  "rollout.engine_urls=[http://127.0.0.1:1]",
-                                                                 "rollout.engine_weight_format=fp8_block"])
+                                                                 "rollout.weight_sync.format=fp8_block"])
     sync = weight_sync.build_weight_sync(cfg.rollout, client=None, run_dir=tmp_path, template_dir=None)
     sync.inner = Recorder()
     sync.connect(["http://engine:1"], is_sender=True)

@@ -100,7 +100,7 @@ def test_engines_with_data_parallel_attention_are_refused_with_the_reason():
     sync.http = httpx.Client(transport=httpx.MockTransport(lambda req: httpx.Response(200, json=infos[req.url.host])))
     assert [(url, tp) for url, tp, _ in sync._engine_layout(["http://a/"])] == [("http://a", 4)]
     reason = sync._engine_layout(["http://a", "http://b"])
-    assert "dp_size=8" in reason and "rollout.weight_sync=disk" in reason
+    assert "dp_size=8" in reason and "rollout.weight_sync.transport=disk" in reason
     with pytest.raises(WeightSyncError, match="dp_size=8"):
         sync.connect(["http://b"], is_sender=True)
 

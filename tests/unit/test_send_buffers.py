@@ -67,7 +67,7 @@ def test_the_device_emulation_refuses_a_cross_device_cat_as_torch_does():
 
 
 def test_parts_on_the_trainer_device_are_packed_into_the_cpu_buffers():
-    """gloo with ``overlap_weight_push=false`` on a GPU: the bucket's tensors are CUDA tensors, the send
+    """gloo with ``rollout.weight_sync.overlap=false`` on a GPU: the bucket's tensors are CUDA tensors, the send
     buffers are on the CPU (torch.cat refused that: cross-device ``out=``)."""
     buffers = SendBuffers(torch.device("cpu"), flattened=True)
     gen = torch.Generator().manual_seed(1)

@@ -1,4 +1,4 @@
-"""rollout.overlap_weight_push: the push of version v+1 runs in the background while the trainer goes on.
+"""rollout.weight_sync.overlap: the push of version v+1 runs in the background while the trainer goes on.
 
 The scheduler tests drive the real AsyncScheduler against the fake engine of test_scheduler_logic
 the way the overlapped trainer does: consume at the actor's version, update, then wait for the
@@ -135,7 +135,7 @@ def disk_publisher(tmp_path, monkeypatch, engine, *, overlap: bool):
 
     monkeypatch.setattr(mod, "export_weights", lambda c: iter([("w", torch.arange(6.0).reshape(2, 3))]))
     cfg = ExperimentConfig()
-    cfg.rollout.overlap_weight_push = overlap
+    cfg.rollout.weight_sync.overlap = overlap
     pub = mod.WeightPublisher(cfg, None, tmp_path, rank0=True)
     side = RolloutSide(rollout=RolloutConfig(), scheduler=SchedulerConfig(), data=DataConfig(), task=None,
                        mode="single", group_size=1, run_dir=tmp_path, template_dir=tmp_path)

@@ -1,11 +1,11 @@
-"""Which collective backend rollout.weight_sync=distributed sends with (weights/disk.py)."""
+"""Which collective backend rollout.weight_sync.transport=distributed sends with (weights/disk.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sao_megatron.config.schema import RolloutConfig
+from sao_megatron.config.schema import RolloutConfig, WeightSyncConfig
 from sao_megatron.weights.transports import build_weight_sync
 
 pytestmark = pytest.mark.unit
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.unit
 ])
 def test_backend_follows_the_trainers_device(monkeypatch, engine, cuda, backend):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    sync = build_weight_sync(RolloutConfig(engine=engine, weight_sync="distributed"), client=None, run_dir="/r",
-                             template_dir=None)
+    rollout = RolloutConfig(engine=engine, weight_sync=WeightSyncConfig(transport="distributed"))
+    sync = build_weight_sync(rollout, client=None, run_dir="/r", template_dir=None)
     try:
         assert sync.backend == backend
     finally:

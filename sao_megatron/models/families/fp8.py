@@ -8,7 +8,7 @@ bf16/fp32); the scales are not model tensors. Export writes bf16 and drops the
 ``quantization_config`` from the copied config.json.
 
 For engines that serve FP8 the weight sync re-quantizes with the same scheme
-(``weights/fp8_block.py``, ``rollout.engine_weight_format: fp8_block``).
+(``weights/fp8_block.py``, ``rollout.weight_sync.format: fp8_block``).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def build_components(cfg: ExperimentConfig, *, with_critic: bool = True) -> Comp
         attach_route_replay(actor.chunks, ctx)
     critic = build_critic(cfg.model, cfg.critic, ctx, total_steps=steps) if obj.critic and with_critic else None
     exporter = ExportPlan(actor.chunks, get_family(cfg.model.family).weight_map(cfg.model),
-                          bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20)
+                          bucket_bytes=cfg.rollout.weight_sync.bucket_mb << 20)
     _log_choices(cfg, ctx, actor)
     return Components(ctx=ctx, objective=obj, mode=resolved_mode(cfg), task=task, actor=actor, critic=critic,
                       baseline=build_baseline(cfg.algorithm), exporter=exporter)

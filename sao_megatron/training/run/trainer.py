@@ -2,7 +2,7 @@
 
 Per step (docs/architecture.md#the-loop): take the first B finished samples, run ``rl_step.update`` on them
 (critic values → advantages → actor step → K critic steps), push the actor's weights to the engines
-(version + 1; with ``rollout.overlap_weight_push`` started after the actor's step, while the critic and the
+(version + 1; with ``rollout.weight_sync.overlap`` started after the actor's step, while the critic and the
 next step train), log, checkpoint. Rank 0 owns the rollout side; every rank trains its data-parallel shard.
 Parts come from ``training.run.components``; checkpoints and the audit live in ``training.run.run_state``.
 """

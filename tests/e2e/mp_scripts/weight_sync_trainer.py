@@ -2,7 +2,7 @@
 
 usage: weight_sync_trainer.py CONFIG OUT_JSON [--external] [--set k=v ...]
 One real update (fixed batch) changes the actor; the publisher then pushes twice (versions 1 and 2;
-rollout.weight_sync=distributed by default: every rank sends what it owns over its own update groups,
+rollout.weight_sync.transport=distributed by default: every rank sends what it owns over its own update groups,
 verified by checksums); the client's health probe must keep every engine (they serve the published
 version); then each engine's log-probs are compared with the actor's on the same tokens (the parity
 gate). ``--external``: the engines are started here, from the initial weights, and the trainer reaches
@@ -45,7 +45,7 @@ def main() -> None:
     from sao_megatron.training.verbs.parity import measure_parity
     from sao_megatron.training.run.trainer import Trainer
 
-    cfg = load_config(config, ["run.sft_steps=0", "rollout.weight_sync=distributed", "rollout.num_engines=2",
+    cfg = load_config(config, ["run.sft_steps=0", "rollout.weight_sync.transport=distributed", "rollout.num_engines=2",
                                "scheduler.batch_size=8", "scheduler.concurrency=8", "data.num_prompts=200",
                                *overrides])
     run_dir = pathlib.Path(out).parent / f"run_{pathlib.Path(out).stem}"
@@ -56,7 +56,7 @@ def main() -> None:
         engines = start_external(trainer, cfg, run_dir) if external else None
         trainer._start_rollout(None)
         assert trainer.update(fixed_samples(cfg.model.vocab_size)).applied
-        # With rollout.overlap_weight_push a push's metrics come from the wait that joins it.
+        # With rollout.weight_sync.overlap a push's metrics come from the wait that joins it.
         first = trainer.publisher.publish() | trainer.publisher.wait()  # version 1
         second = trainer.publisher.publish() | trainer.publisher.wait()  # version 2, same layout: not verified again
         client = trainer.rollout.client if trainer.rank0 else None
