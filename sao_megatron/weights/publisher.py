@@ -62,7 +62,7 @@ from sao_megatron.config import ExperimentConfig
 from sao_megatron.config.schema import RolloutConfig, WeightSyncConfig
 from sao_megatron.errors import SaoError
 from sao_megatron.models.families.hf_config import dtype_name
-from sao_megatron.parallel.collectives import broadcast_object, rank0_call
+from sao_megatron.parallel.collectives import broadcast_object, first_error, rank0_call
 from sao_megatron.rollout.types import EngineUnavailable
 from sao_megatron.weights.disk import DiskWeightSync
 from sao_megatron.weights.export import ExportPlan, drain, export_weights, iter_owned_hf_tensors, owns_tensors
@@ -278,9 +278,7 @@ class WeightPublisher:
             out = push.future.result()
         except Exception as exc:  # shared below, then raised on every rank
             error = exc
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
-        first = next((e for e in errors if e), None)
+        first = first_error(error)
         if first is not None:
             step = f"published after step {push.step}" if push.step is not None else "published"
             raise WeightPushError(f"the background weight push of version {push.version} ({step}) failed: "
