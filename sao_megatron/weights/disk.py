@@ -15,19 +15,19 @@ self._session.loaded_weights``), which re-packs already processed (e.g. FP8) wei
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 
+from sao_megatron.models.families.hf_files import finish_shards, write_shards
 from sao_megatron.rollout.health import headers_for
 from sao_megatron.rollout.weight_check import EngineHolding, StreamingChecksums
 from sao_megatron.weights.distributed import _World
@@ -47,34 +47,6 @@ def _copy_template(template_dir: Path, out: Path) -> None:
             shutil.copy2(src, out / src.name)
 
 
-def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def _shards(named_tensors: NamedTensors, max_shard_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Group tensors (CPU, contiguous, unaliased) into shards of at most ``max_shard_bytes``."""
-    shard: dict[str, torch.Tensor] = {}
-    size = 0
-    seen: set[str] = set()
-    for name, tensor in named_tensors:
-        if name in seen:
-            raise ValueError(f"tensor {name} given twice")
-        seen.add(name)
-        t = tensor.detach().to("cpu").contiguous()
-        if t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone()  # a view into a larger storage: safetensors refuses tensors sharing storage
-        nbytes = t.numel() * t.element_size()
-        if shard and size + nbytes > max_shard_bytes:
-            yield shard
-            shard, size = {}, 0
-        shard[name] = t
-        size += nbytes
-    if shard:
-        yield shard
-
-
 def write_hf_safetensors(named_tensors: NamedTensors, out_dir: str | Path, *, template_dir: str | Path | None = None,
                          max_shard_bytes: int = 4 << 30) -> Path:
     """Write an HF checkpoint directory atomically; returns ``out_dir``.
@@ -88,23 +60,7 @@ def write_hf_safetensors(named_tensors: NamedTensors, out_dir: str | Path, *, te
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        files, weight_map, total = [], {}, 0
-        for i, shard in enumerate(_shards(named_tensors, max_shard_bytes)):
-            name = f"shard-{i:05d}.safetensors"
-            _save_shard(shard, tmp / name)
-            files.append(name)
-            for key, t in shard.items():
-                weight_map[key] = name
-                total += t.numel() * t.element_size()
-        if not files:
-            raise ValueError("no tensors to write")
-        final = _final_names(len(files))
-        for old, new in zip(files, final):
-            os.replace(tmp / old, tmp / new)
-        if len(final) > 1:
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {k: final[files.index(v)] for k, v in sorted(weight_map.items())}}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        finish_shards(tmp, write_shards(named_tensors, tmp, max_shard_bytes=max_shard_bytes))
         if template_dir is not None:
             _copy_template(Path(template_dir), tmp)
         _atomic_replace_dir(tmp, out_dir)
@@ -112,12 +68,6 @@ def write_hf_safetensors(named_tensors: NamedTensors, out_dir: str | Path, *, te
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def _final_names(n: int) -> list[str]:
-    if n == 1:
-        return ["model.safetensors"]
-    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
 def _atomic_replace_dir(src: Path, dst: Path) -> None:
@@ -183,14 +133,14 @@ class DiskWeightSync:
         token = self.world.bcast(uuid.uuid4().hex[:8])
         tmp = self.sync_root / f".v{version:06d}.tmp-{token}"
         tmp.mkdir(parents=True, exist_ok=True)
-        parts = []
         streams = {h: StreamingChecksums(h) for h in self.holdings.values() if checksums and not h.unverifiable}
-        for i, shard in enumerate(_shards(owned, self.max_shard_bytes)):
-            name = f"part-r{self.world.rank:05d}-{i:05d}.safetensors"
-            _save_shard(shard, tmp / name)
-            parts.append((name, {k: t.numel() * t.element_size() for k, t in shard.items()}))
+
+        def checksum(shard: dict[str, torch.Tensor]) -> None:
             for stream in streams.values():
                 stream.update(shard.items())
+
+        parts = write_shards(owned, tmp, max_shard_bytes=self.max_shard_bytes, stem=f"part-r{self.world.rank:05d}-",
+                             on_shard=checksum)
         everyone = self.world.gather((parts, {h: stream.result() for h, stream in streams.items()}))
         if self.world.rank != 0:
             return None, {}
@@ -206,19 +156,9 @@ class DiskWeightSync:
         return out, merged
 
     def _finalize(self, tmp: Path, parts: list[tuple[str, dict[str, int]]], out: Path) -> Path:
-        """(rank 0) Index + template files, then the directory moves into place atomically."""
-        if not parts:
-            raise ValueError("no tensors to write")
-        names = [n for _, sizes in parts for n in sizes]
-        if len(names) != len(set(names)):
-            raise ValueError(f"tensors written twice: {sorted({n for n in names if names.count(n) > 1})[:5]}")
-        if len(parts) == 1:
-            os.replace(tmp / parts[0][0], tmp / "model.safetensors")
-        else:
-            weight_map = {n: f for f, sizes in parts for n in sizes}
-            index = {"metadata": {"total_size": sum(sum(s.values()) for _, s in parts)},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        """(rank 0) Every rank's parts named and indexed as one HF checkpoint, the template files beside
+        them, then the directory moves into place atomically."""
+        finish_shards(tmp, parts)
         if self.template_dir is not None:
             _copy_template(Path(self.template_dir), tmp)
         _atomic_replace_dir(tmp, out)

@@ -7,9 +7,10 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from sao_megatron.weights.disk import write_hf_safetensors
+from sao_megatron.models.families.hf_files import write_sharded
+from sao_megatron.weights.disk import DiskWeightSync, write_hf_safetensors
 from sao_megatron.weights.distributed import _buckets
 
 pytestmark = pytest.mark.unit
@@ -88,6 +89,38 @@ def test_failed_write_leaves_nothing(tmp_path):
     with pytest.raises(ValueError, match="twice"):
         write_hf_safetensors([("a", torch.ones(2)), ("a", torch.ones(2))], tmp_path / "ckpt")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_exports_conversions_and_the_disk_sync_write_one_format(tmp_path):
+    """One shard writer: an export (write_hf_safetensors), a conversion (write_sharded) and a disk push
+    (DiskWeightSync.write) of the same tensors give byte-identical files: each shard is what
+    safetensors.save_file writes for the greedy grouping (made here the slow obvious way), under HF's
+    model-0000i-of-0000n names, with the same index."""
+    tensors, cap = _tensors(), 2000
+    groups: list[dict[str, torch.Tensor]] = []
+    for name, t in tensors:
+        if not groups or sum(x.numel() * 4 for x in groups[-1].values()) + t.numel() * 4 > cap:
+            groups.append({})
+        groups[-1][name] = t
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    for i, group in enumerate(groups):
+        save_file(group, str(ref / f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"), metadata={"format": "pt"})
+    export = write_hf_safetensors(tensors, tmp_path / "export", max_shard_bytes=cap)
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    write_sharded(tensors, converted, max_shard_bytes=cap, dtype_of=lambda name: None)
+    sync = DiskWeightSync(client=None, sync_root=tmp_path / "sync", template_dir=None, collective=False,
+                          max_shard_bytes=cap)
+    pushed, _ = sync.write(tensors, 1)
+    sync.close()
+    index = (export / "model.safetensors.index.json").read_bytes()
+    assert json.loads(index) == {"metadata": {"total_size": sum(t.numel() * 4 for _, t in tensors)},
+                                 "weight_map": {n: p.name for p in ref.iterdir() for n in load_file(p)}}
+    for out in (export, converted, pushed):
+        assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(p.name for p in ref.iterdir()), out
+        assert all((out / p.name).read_bytes() == p.read_bytes() for p in ref.iterdir()), out
+        assert (out / "model.safetensors.index.json").read_bytes() == index, out
 
 
 def test_engines_with_data_parallel_attention_are_refused_with_the_reason():

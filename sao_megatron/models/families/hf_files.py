@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -85,40 +85,82 @@ class HfCheckpoint:
                                       f"{list(self.shape(key))}, config.json implies {list(shape)}")
 
 
-def write_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: pathlib.Path, *,
-                  max_shard_bytes: int, dtype_of) -> int:
-    """Write (name, tensor) pairs as ``model-0000i-of-0000n.safetensors`` + index; returns total bytes.
+def shard_name(i: int, n: int) -> str:
+    """HF's name of shard ``i`` (0-based) of ``n``."""
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
-    Tensors arrive streaming; a shard is flushed once it would exceed ``max_shard_bytes``.
-    ``dtype_of(name)`` gives each tensor's on-disk dtype (None: keep the tensor's).
-    """
-    shards: list[list[str]] = []
-    current: dict[str, torch.Tensor] = {}
-    size = total = 0
-    tmp_names: list[pathlib.Path] = []
 
-    def flush() -> None:
-        nonlocal current, size
-        if current:
-            path = out_dir / f"shard-{len(shards):05d}.tmp"
-            save_file(current, str(path), metadata={"format": "pt"})
-            tmp_names.append(path)
-            shards.append(list(current))
-            current, size = {}, 0
+Part = tuple[str, dict[str, int]]
+"""A written shard: its file name and {tensor name: bytes}."""
 
-    for name, t in tensors:
-        t = t.detach().to("cpu", dtype_of(name) or t.dtype).contiguous()
+
+def iter_shards(tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int,
+                dtype_of: Callable[[str], torch.dtype | None] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Group streaming (name, tensor) pairs into shards of at most ``max_shard_bytes`` (a larger tensor is
+    a shard alone); only one shard is held at a time. Tensors come out on the CPU, contiguous, in their
+    own storage (safetensors refuses tensors sharing storage), in ``dtype_of(name)`` (None: their own)."""
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        if name in seen:
+            raise ValueError(f"tensor {name} given twice: each name must be written once")
+        seen.add(name)
+        t = tensor.detach().to("cpu", (dtype_of(name) if dtype_of else None) or tensor.dtype).contiguous()
         nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            flush()
-        current[name] = t.clone() if t.untyped_storage().nbytes() != nbytes else t  # own storage only
-        size, total = size + nbytes, total + nbytes
-    flush()
+        if t.storage_offset() or t.untyped_storage().nbytes() != nbytes:
+            t = t.clone()  # a view into a larger storage
+        if shard and size + nbytes > max_shard_bytes:
+            yield shard
+            shard, size = {}, 0
+        shard[name] = t
+        size += nbytes
+    if shard:
+        yield shard
+
+
+def write_shards(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: pathlib.Path, *, max_shard_bytes: int,
+                 stem: str = "shard-", dtype_of: Callable[[str], torch.dtype | None] | None = None,
+                 on_shard: Callable[[dict[str, torch.Tensor]], None] | None = None) -> list[Part]:
+    """Write the shards of :func:`iter_shards` as ``out_dir/{stem}{i:05d}.safetensors`` as each fills
+    (host memory: one shard); ``on_shard`` sees each shard's tensors before they are dropped (checksums).
+    :func:`finish_shards` gives the parts (of one or several writers) their HF names."""
+    parts = []
+    for i, shard in enumerate(iter_shards(tensors, max_shard_bytes, dtype_of)):
+        name = f"{stem}{i:05d}.safetensors"
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        parts.append((name, {k: t.numel() * t.element_size() for k, t in shard.items()}))
+        if on_shard is not None:
+            on_shard(shard)
+    return parts
+
+
+def finish_shards(out_dir: pathlib.Path, parts: list[Part], *, single: str | None = SINGLE) -> int:
+    """Rename ``parts`` (in ``out_dir``, in order) to ``model-0000i-of-0000n.safetensors`` and write
+    the index; a lone part becomes ``single`` without an index (None: named and indexed like the others).
+    Returns the total bytes. ValueError when there is nothing to write or a tensor is in two parts."""
+    if not parts:
+        raise ValueError("no tensors to write")
+    names = [n for _, sizes in parts for n in sizes]
+    if len(names) != len(set(names)):
+        raise ValueError(f"tensors written twice: {sorted({n for n in names if names.count(n) > 1})[:5]}")
+    total = sum(sum(sizes.values()) for _, sizes in parts)
+    if len(parts) == 1 and single is not None:
+        (out_dir / parts[0][0]).replace(out_dir / single)
+        return total
     weight_map = {}
-    for i, (path, names) in enumerate(zip(tmp_names, shards)):
-        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        path.rename(out_dir / final)
-        weight_map.update(dict.fromkeys(names, final))
+    for i, (part, sizes) in enumerate(parts):
+        final = shard_name(i, len(parts))
+        (out_dir / part).replace(out_dir / final)
+        weight_map.update(dict.fromkeys(sizes, final))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return total
+
+
+def write_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: pathlib.Path, *,
+                  max_shard_bytes: int, dtype_of) -> int:
+    """Write (name, tensor) pairs into ``out_dir`` as ``model-0000i-of-0000n.safetensors`` + index, even
+    a single shard; returns total bytes. ``dtype_of(name)`` gives each tensor's on-disk dtype (None: keep)."""
+    return finish_shards(out_dir, write_shards(tensors, out_dir, max_shard_bytes=max_shard_bytes, dtype_of=dtype_of),
+                         single=None)
