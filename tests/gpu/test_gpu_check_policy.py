@@ -184,6 +184,18 @@ def test_sao_run_names_the_engine_dtype_for_a_bf16_trainer():
     assert any("engine float32: checksums compared in float32" in n for n in notes)
 
 
+def test_sao_run_sets_and_reports_the_transport_by_its_section_key(tmp_path):
+    """The run asks for the distributed sync with this checkout's key, which the loader accepts, and reads
+    the transport back from the resolved config's rollout.weight_sync section."""
+    from sao_megatron.config import load_config, write_resolved
+
+    sets, _ = lib.run_overrides(lib.Context(mode="cpu", out=tmp_path, deadline=0.0))
+    assert "rollout.weight_sync.transport=distributed" in sets
+    cfg = load_config(REPO / "configs" / "experiments" / "tiny_cpu.yaml", sets)
+    write_resolved(cfg, tmp_path)
+    assert "; weight_sync=distributed (" in lib.transport("", tmp_path)
+
+
 @pytest.mark.component
 def test_weight_sync_transport_compares_bf16_sent_in_the_engines_float32(tmp_path):
     """The real update-group transport on CPU: bf16 sent, float32 held, equal in float32 only."""
